@@ -1,0 +1,67 @@
+"""The OpenAI-compatible routes: authenticate, validate, hand to the proxy."""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from gateway.api.body import read_json, validate
+from gateway.api.deps import PrincipalDep, ServicesDep
+from gateway.proxy import Call
+from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from gateway.upstream.backend import JSONObject
+from gateway.upstream.json import json_response
+
+router = APIRouter(prefix="/v1")
+
+
+def request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    if 0 < len(given) <= 64 and given.isascii() and given.isprintable():
+        return given
+    return secrets.token_hex(12)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+    body = await read_json(request, services.settings.max_body_bytes)
+    parsed = validate(ChatCompletionRequest, body)
+    include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+    call = Call(
+        request_id(request), principal, "chat.completions", "/chat/completions", parsed.model, body,
+        stream=parsed.stream, include_usage=include_usage,
+    )
+    return await services.proxy.forward(call)
+
+
+@router.post("/completions")
+async def completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+    body = await read_json(request, services.settings.max_body_bytes)
+    parsed = validate(CompletionRequest, body)
+    include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+    call = Call(
+        request_id(request), principal, "completions", "/completions", parsed.model, body,
+        stream=parsed.stream, include_usage=include_usage,
+    )
+    return await services.proxy.forward(call)
+
+
+@router.post("/embeddings")
+async def embeddings(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+    body = await read_json(request, services.settings.max_body_bytes)
+    parsed = validate(EmbeddingRequest, body)
+    call = Call(request_id(request), principal, "embeddings", "/embeddings", parsed.model, body)
+    return await services.proxy.forward(call)
+
+
+@router.get("/models")
+async def list_models(services: ServicesDep, _: PrincipalDep) -> Response:
+    data: list[JSONObject] = services.router.models()
+    return json_response({"object": "list", "data": data})
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, services: ServicesDep, _: PrincipalDep) -> Response:
+    return json_response(await services.router.model(model_id))

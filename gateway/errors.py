@@ -1,0 +1,175 @@
+"""One exception tree, rendered by one handler as the OpenAI error envelope.
+
+    GatewayError                      500 server_error
+    ├── InvalidRequest                400 invalid_request_error
+    │   ├── InvalidField              422 invalid_request_error (param names the field)
+    │   └── BodyTooLarge              413 invalid_request_error
+    ├── AuthenticationFailed          401 authentication_error
+    ├── PermissionDenied              403 permission_error
+    ├── NotFound                      404 invalid_request_error
+    │   └── ModelNotFound             404 invalid_request_error, code model_not_found
+    ├── RateLimited                   429 rate_limit_error
+    └── UpstreamError                 502 upstream_error
+        ├── UpstreamTimeout           504 upstream_error
+        ├── UpstreamUnavailable       502 upstream_error (connect failed, no upstream left)
+        ├── UpstreamProtocolError     502 upstream_error (garbage where JSON or SSE was due)
+        └── UpstreamStatusError       the upstream's own status and message
+
+Third-party exceptions (httpx, SQLAlchemy) are wrapped where they cross into kvgate, with
+`raise ... from exc`; nothing else reaches the client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+ErrorBody = dict[str, Any]
+
+
+class GatewayError(Exception):
+    status_code = 500
+    error_type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def envelope(self) -> ErrorBody:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(GatewayError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class InvalidField(InvalidRequest):
+    status_code = 422
+    code = "invalid_value"
+
+
+class BodyTooLarge(InvalidRequest):
+    status_code = 413
+    code = "request_too_large"
+
+
+class AuthenticationFailed(GatewayError):
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    status_code = 403
+    error_type = "permission_error"
+    code = "forbidden"
+
+
+class NotFound(GatewayError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class RateLimited(GatewayError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class UpstreamError(GatewayError):
+    status_code = 502
+    error_type = "upstream_error"
+    code = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status_code = 504
+    code = "upstream_timeout"
+
+
+class UpstreamUnavailable(UpstreamError):
+    code = "upstream_unavailable"
+
+
+class UpstreamProtocolError(UpstreamError):
+    code = "upstream_protocol_error"
+
+
+class UpstreamStatusError(UpstreamError):
+    """The upstream answered with an error status: relay its status and its own error."""
+
+    def __init__(self, status_code: int, body: ErrorBody, upstream: str) -> None:
+        error = body.get("error") if isinstance(body.get("error"), dict) else {}
+        message = str(error.get("message") or f"upstream {upstream!r} returned HTTP {status_code}")
+        super().__init__(message, param=error.get("param"), code=error.get("code"))
+        self.status_code = status_code
+        self.error_type = str(error.get("type") or ("rate_limit_error" if status_code == 429 else "upstream_error"))
+        self.upstream = upstream
+
+
+def error_response(exc: GatewayError) -> Response:
+    return Response(
+        orjson.dumps(exc.envelope()), status_code=exc.status_code, media_type="application/json"
+    )
+
+
+def _validation_error(exc: RequestValidationError) -> GatewayError:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    return InvalidField(f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error kvgate returns goes through here, in the OpenAI envelope."""
+
+    async def on_gateway_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
+        return error_response(exc)
+
+    async def on_http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        mapped: GatewayError
+        if exc.status_code == 404:
+            mapped = NotFound("unknown route")
+        elif exc.status_code == 405:
+            mapped = InvalidRequest("method not allowed", code="method_not_allowed")
+            mapped.status_code = 405
+        else:
+            mapped = GatewayError(str(exc.detail))
+            mapped.status_code = exc.status_code
+        return error_response(mapped)
+
+    async def on_validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(_validation_error(exc))
+
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
+        return error_response(GatewayError("internal error"))
+
+    app.add_exception_handler(GatewayError, on_gateway_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_unexpected)

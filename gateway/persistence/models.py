@@ -1,0 +1,58 @@
+"""SQLAlchemy 2.0 models: the source of truth for tenants, keys and the request log."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(Base):
+    """A gateway key, stored as its SHA-256: keys are 256-bit random, so a slow hash buys nothing."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    key_prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class RequestLog(Base):
+    __tablename__ = "request_log"
+    __table_args__ = (Index("ix_request_log_created_at", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    tenant: Mapped[str] = mapped_column(String(128))
+    route: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(256))
+    upstream: Mapped[str | None] = mapped_column(String(128))
+    status: Mapped[int] = mapped_column(Integer)
+    stream: Mapped[bool] = mapped_column(Boolean, default=False)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    ttfb_ms: Mapped[float | None] = mapped_column(Float)
+    total_ms: Mapped[float] = mapped_column(Float)
+    error_type: Mapped[str | None] = mapped_column(String(64))

@@ -1,0 +1,100 @@
+"""The request log: one row per request, written in batches off the request path.
+
+`RequestLogWriter.record` only appends to a bounded queue; a background task inserts batches.
+A full queue or a failing database drops rows (counted), it never delays or fails a response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+from sqlalchemy import insert
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.persistence.models import RequestLog
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    tenant: str
+    route: str
+    model: str | None
+    status: int
+    total_ms: float
+    upstream: str | None = None
+    stream: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    ttfb_ms: float | None = None
+    error_type: str | None = None
+    created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+class RequestLogWriter:
+    def __init__(self, sessions: async_sessionmaker, batch_size: int = 256, max_queue: int = 100_000):
+        self._sessions = sessions
+        self._batch_size = batch_size
+        self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=max_queue)
+        self._task: asyncio.Task[None] | None = None
+        self.num_dropped = 0
+        self.num_written = 0
+        self._busy = False
+
+    def record(self, row: RequestRecord) -> None:
+        try:
+            self._queue.put_nowait(row)
+        except asyncio.QueueFull:
+            self.num_dropped += 1
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="request-log-writer")
+
+    async def stop(self) -> None:
+        """Flush what is queued, then stop."""
+        if self._task is None:
+            return
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self._flush_pending()
+
+    async def flush(self) -> None:
+        """Wait until every row recorded so far has been written (tests, shutdown)."""
+        while not self._queue.empty() or self._busy:
+            await asyncio.sleep(0.01)
+
+    async def _run(self) -> None:
+        while True:
+            first = await self._queue.get()
+            self._busy = True
+            try:
+                await self._write([first, *self._drain(self._batch_size - 1)])
+            finally:
+                self._busy = False
+
+    def _drain(self, limit: int) -> list[RequestRecord]:
+        rows = []
+        while len(rows) < limit and not self._queue.empty():
+            rows.append(self._queue.get_nowait())
+        return rows
+
+    async def _flush_pending(self) -> None:
+        while rows := self._drain(self._batch_size):
+            await self._write(rows)
+
+    async def _write(self, rows: list[RequestRecord]) -> None:
+        try:
+            async with self._sessions() as session, session.begin():
+                await session.execute(insert(RequestLog), [asdict(r) for r in rows])
+            self.num_written += len(rows)
+        except Exception:
+            self.num_dropped += len(rows)
+            log.exception("request log: dropped %d rows", len(rows))

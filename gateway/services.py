@@ -1,0 +1,24 @@
+"""The long-lived parts one app instance owns, built in the lifespan and handed to routes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+
+from gateway.persistence.keys import KeyStore
+from gateway.persistence.request_log import RequestLogWriter
+from gateway.proxy import Proxy
+from gateway.settings import Settings
+from gateway.upstream.router import Router
+
+
+@dataclass(slots=True)
+class Services:
+    settings: Settings
+    db: AsyncEngine
+    sessions: async_sessionmaker
+    keys: KeyStore
+    request_log: RequestLogWriter
+    router: Router
+    proxy: Proxy

@@ -1,0 +1,48 @@
+"""The interface every backend implements: the httpx client for remote upstreams now, the
+in-process engine later. Four methods; routing, relay and accounting live outside it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+JSONObject = dict[str, Any]
+
+
+@dataclass(slots=True)
+class UpstreamJSON:
+    """A complete, successful JSON answer."""
+
+    status_code: int
+    body: JSONObject
+    raw: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class UpstreamStream(Protocol):
+    """An open, successful streaming answer: raw bytes as they arrive, then `aclose`."""
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+    # Honors `stream_options.include_usage`: the proxy may ask for usage the client did not.
+    supports_stream_usage: bool
+
+    async def list_models(self) -> list[JSONObject]:
+        """The model objects this backend serves (`/v1/models` entries)."""
+        ...
+
+    async def post_json(self, path: str, body: JSONObject) -> UpstreamJSON:
+        """POST and return a successful JSON answer; raise a GatewayError otherwise."""
+        ...
+
+    async def post_stream(self, path: str, body: JSONObject) -> UpstreamStream:
+        """POST and return once the answer's status is known to be a success."""
+        ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,85 @@
+"""Relay an upstream SSE stream to the client event by event, and tee what the gateway needs.
+
+Each event is yielded the moment it is complete. Its JSON is parsed (orjson, microseconds) for two
+reasons: garbage from the upstream must end the stream with an error event the client can read,
+not be passed on as broken SSE; and the usage chunk feeds accounting and the request log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import orjson
+
+from gateway.errors import GatewayError, UpstreamProtocolError
+from gateway.upstream.backend import UpstreamStream
+from gateway.upstream.sse import DONE, SSESplitter, encode_event, event_data
+
+
+@dataclass(slots=True)
+class StreamOutcome:
+    """What a relayed stream turned out to be, filled in as it runs."""
+
+    started_s: float = field(default_factory=time.perf_counter)
+    first_byte_s: float | None = None
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    completed: bool = False
+    error: GatewayError | None = None
+
+
+async def relay_stream(
+    stream: UpstreamStream, outcome: StreamOutcome, *, drop_usage_chunk: bool
+) -> AsyncIterator[bytes]:
+    splitter = SSESplitter()
+    try:
+        async for chunk in stream.aiter_bytes():
+            for event in splitter.feed(chunk):
+                data = event_data(event)
+                if data is None:
+                    continue
+                if data == DONE:
+                    outcome.completed = True
+                    yield event
+                    return
+                try:
+                    payload = orjson.loads(data)
+                except orjson.JSONDecodeError as exc:
+                    raise UpstreamProtocolError("upstream sent an SSE event that is not JSON") from exc
+                if not isinstance(payload, dict):
+                    raise UpstreamProtocolError("upstream sent an SSE event that is not a JSON object")
+                if "error" in payload:
+                    outcome.error = UpstreamProtocolError(str(payload["error"]))
+                    yield event
+                    return
+                if _is_usage_only(payload, outcome) and drop_usage_chunk:
+                    continue
+                if outcome.first_byte_s is None:
+                    outcome.first_byte_s = time.perf_counter()
+                yield event
+        raise UpstreamProtocolError("upstream closed the stream before it was complete")
+    except GatewayError as exc:
+        outcome.error = exc
+        yield encode_event(exc.envelope())
+    finally:
+        # Shielded: on client disconnect this runs inside a cancelled scope, and the upstream
+        # connection must still be closed so the upstream stops generating.
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+
+
+def _is_usage_only(payload: dict[str, Any], outcome: StreamOutcome) -> bool:
+    usage = payload.get("usage")
+    if usage:
+        outcome.usage = usage
+    choices = payload.get("choices")
+    if choices:
+        reason = choices[0].get("finish_reason") if isinstance(choices[0], dict) else None
+        if reason:
+            outcome.finish_reason = reason
+        return False
+    return bool(usage)

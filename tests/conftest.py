@@ -1,0 +1,112 @@
+"""Shared fixtures: real servers on loopback, real SQLite and PostgreSQL, real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from gateway.app import create_app
+from gateway.persistence.database import make_engine, make_sessionmaker, upgrade
+from gateway.persistence.keys import create_key
+from gateway.settings import Settings, UpstreamSettings
+from tests.fake_upstream import create_fake_upstream
+from tests.servers import serve_in_thread
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+PG_ADMIN_DSN = os.environ.get("KVGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(scope="session")
+def fake_upstream() -> Iterator[str]:
+    """Base URL of the fake upstream, e.g. http://127.0.0.1:PORT (its API is under /v1)."""
+    with serve_in_thread(create_fake_upstream()) as url:
+        yield url
+
+
+async def _pg(sql: str) -> None:
+    conn = await asyncpg.connect(PG_ADMIN_DSN)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, dropped at the end."""
+    name = f"kvgate_test_{secrets.token_hex(4)}"
+    asyncio.run(_pg(f"CREATE DATABASE {name}"))
+    try:
+        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        asyncio.run(_pg(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+@pytest.fixture(scope="session")
+def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'kvgate.db'}"
+
+
+@dataclass
+class Gateway:
+    base_url: str
+    api_key: str
+    database_url: str
+    settings: Settings
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+
+def new_key(database_url: str, tenant: str) -> str:
+    upgrade(database_url)
+
+    async def run() -> str:
+        engine = make_engine(database_url)
+        try:
+            return await create_key(make_sessionmaker(engine), tenant)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="session", params=["sqlite", "postgres"])
+def gateway(request: pytest.FixtureRequest, fake_upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """kvgate on a free loopback port in front of the fake upstream, on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        database_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('gw') / 'kvgate.db'}"
+    else:
+        database_url = request.getfixturevalue("postgres_url")
+    yield from start_gateway(fake_upstream, database_url)
+
+
+def start_gateway(fake_upstream: str, database_url: str, **overrides: object) -> Iterator[Gateway]:
+    os.environ["KVGATE_TEST_UPSTREAM_KEY"] = "sk-upstream-secret"
+    settings = Settings(
+        _env_file=None,
+        database_url=database_url,
+        upstreams=[UpstreamSettings(name="fake", base_url=fake_upstream + "/v1", api_key_env="KVGATE_TEST_UPSTREAM_KEY",
+                                    read_timeout_s=2.0)],
+        admin_key="admin-test-key",
+        max_body_bytes=64 * 1024,
+        **overrides,
+    )
+    key = new_key(database_url, "team-a")
+    with serve_in_thread(create_app(settings)) as url:
+        yield Gateway(url, key, database_url, settings)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
