@@ -6,6 +6,7 @@ import asyncio
 import os
 import secrets
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,15 +41,21 @@ async def _pg(sql: str) -> None:
         await conn.close()
 
 
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    """A fresh PostgreSQL database for this test session, dropped at the end."""
+@contextmanager
+def fresh_postgres_database() -> Iterator[str]:
+    """A new, empty PostgreSQL database (async SQLAlchemy URL), dropped afterwards."""
     name = f"kvgate_test_{secrets.token_hex(4)}"
     asyncio.run(_pg(f"CREATE DATABASE {name}"))
     try:
         yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
     finally:
         asyncio.run(_pg(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    with fresh_postgres_database() as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -93,15 +100,10 @@ def gateway(request: pytest.FixtureRequest, fake_upstream: str, tmp_path_factory
 
 def start_gateway(fake_upstream: str, database_url: str, **overrides: object) -> Iterator[Gateway]:
     os.environ["KVGATE_TEST_UPSTREAM_KEY"] = "sk-upstream-secret"
-    settings = Settings(
-        _env_file=None,
-        database_url=database_url,
-        upstreams=[UpstreamSettings(name="fake", base_url=fake_upstream + "/v1", api_key_env="KVGATE_TEST_UPSTREAM_KEY",
-                                    read_timeout_s=2.0)],
-        admin_key="admin-test-key",
-        max_body_bytes=64 * 1024,
-        **overrides,
-    )
+    fake = UpstreamSettings(name="fake", base_url=fake_upstream + "/v1", api_key_env="KVGATE_TEST_UPSTREAM_KEY",
+                            read_timeout_s=2.0)
+    options: dict[str, object] = {"upstreams": [fake], "admin_key": "admin-test-key", "max_body_bytes": 64 * 1024}
+    settings = Settings(_env_file=None, database_url=database_url, **{**options, **overrides})  # type: ignore[arg-type]
     key = new_key(database_url, "team-a")
     with serve_in_thread(create_app(settings)) as url:
         yield Gateway(url, key, database_url, settings)
