@@ -38,29 +38,39 @@ async def relay_stream(
     splitter = SSESplitter()
     try:
         async for chunk in stream.aiter_bytes():
+            # Events that arrived together leave together: one write instead of several.
+            out: list[bytes] = []
             for event in splitter.feed(chunk):
                 data = event_data(event)
                 if data is None:
                     continue
                 if data == DONE:
                     outcome.completed = True
-                    yield event
+                    out.append(event)
+                    yield b"".join(out)
                     return
                 try:
                     payload = orjson.loads(data)
                 except orjson.JSONDecodeError as exc:
+                    if out:
+                        yield b"".join(out)
                     raise UpstreamProtocolError("upstream sent an SSE event that is not JSON") from exc
                 if not isinstance(payload, dict):
+                    if out:
+                        yield b"".join(out)
                     raise UpstreamProtocolError("upstream sent an SSE event that is not a JSON object")
                 if "error" in payload:
                     outcome.error = UpstreamProtocolError(str(payload["error"]))
-                    yield event
+                    out.append(event)
+                    yield b"".join(out)
                     return
                 if _is_usage_only(payload, outcome) and drop_usage_chunk:
                     continue
                 if outcome.first_byte_s is None:
                     outcome.first_byte_s = time.perf_counter()
-                yield event
+                out.append(event)
+            if out:
+                yield b"".join(out)
         raise UpstreamProtocolError("upstream closed the stream before it was complete")
     except GatewayError as exc:
         outcome.error = exc

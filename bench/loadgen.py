@@ -1,0 +1,105 @@
+"""A minimal keep-alive HTTP/1.1 load generator on raw asyncio streams.
+
+The load generator shares two cores with the servers it measures, so it must cost far less per
+request than they do: no HTTP library, one connection per worker, Content-Length and chunked
+bodies only (what uvicorn sends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+
+@dataclass(slots=True)
+class Sample:
+    status: int
+    latency_s: float
+    first_byte_s: float
+
+
+@dataclass(slots=True)
+class RunResult:
+    samples: list[Sample] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    errors: int = 0
+
+
+class Connection:
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        parts = urlsplit(url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.path = parts.path
+        self.head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, body: bytes) -> Sample:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        started = time.perf_counter()
+        request = (f"POST {self.path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
+                   f"content-length: {len(body)}\r\n{self.head}\r\n").encode() + body
+        self.writer.write(request)
+        status_line = await self.reader.readline()
+        status = int(status_line.split()[1])
+        length, chunked = None, False
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            name = name.lower()
+            if name == "content-length":
+                length = int(value)
+            elif name == "transfer-encoding" and "chunked" in value:
+                chunked = True
+        first_byte = None
+        if length is not None:
+            await self.reader.readexactly(length)
+            first_byte = time.perf_counter()
+        elif chunked:
+            while True:
+                size = int((await self.reader.readline()).split(b";")[0], 16)
+                await self.reader.readexactly(size + 2)
+                if first_byte is None:
+                    first_byte = time.perf_counter()
+                if size == 0:
+                    break
+        ended = time.perf_counter()
+        return Sample(status, ended - started, (first_byte or ended) - started)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def run_load(url: str, body: bytes, headers: dict[str, str], *, concurrency: int, num_requests: int) -> RunResult:
+    result = RunResult()
+    remaining = num_requests
+
+    async def worker() -> None:
+        nonlocal remaining
+        conn = Connection(url, headers)
+        try:
+            while remaining > 0:
+                remaining -= 1
+                try:
+                    sample = await conn.post(body)
+                except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+                    result.errors += 1
+                    await conn.close()
+                    conn = Connection(url, headers)
+                    continue
+                if sample.status == 200:
+                    result.samples.append(sample)
+                else:
+                    result.errors += 1
+        finally:
+            await conn.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    result.elapsed_s = time.perf_counter() - started
+    return result
