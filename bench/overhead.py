@@ -40,8 +40,10 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _process(cmd: list[str], ready_url: str, env: dict[str, str] | None = None, timeout_s: float = 120) -> Iterator[None]:
-    log = tempfile.TemporaryFile()
+def _process(
+    cmd: list[str], ready_url: str, env: dict[str, str] | None = None, timeout_s: float = 120
+) -> Iterator[None]:
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout_s

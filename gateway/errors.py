@@ -121,7 +121,9 @@ class UpstreamStatusError(UpstreamError):
     """The upstream answered with an error status: relay its status and its own error."""
 
     def __init__(self, status_code: int, body: ErrorBody, upstream: str) -> None:
-        error = body.get("error") if isinstance(body.get("error"), dict) else {}
+        error = body.get("error")
+        if not isinstance(error, dict):
+            error = {}
         message = str(error.get("message") or f"upstream {upstream!r} returned HTTP {status_code}")
         super().__init__(message, param=error.get("param"), code=error.get("code"))
         self.status_code = status_code

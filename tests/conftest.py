@@ -89,7 +89,9 @@ def new_key(database_url: str, tenant: str) -> str:
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgres"])
-def gateway(request: pytest.FixtureRequest, fake_upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gateway(
+    request: pytest.FixtureRequest, fake_upstream: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
     """kvgate on a free loopback port in front of the fake upstream, on SQLite and on PostgreSQL."""
     if request.param == "sqlite":
         database_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('gw') / 'kvgate.db'}"

@@ -20,7 +20,6 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from gateway.persistence.models import RequestLog
 
 log = logging.getLogger(__name__)
-TABLE = RequestLog.__table__
 
 
 @dataclass(slots=True)
@@ -89,7 +88,7 @@ class RequestLogWriter:
                     self._busy = False
 
     def _drain(self, limit: int) -> list[RequestRecord]:
-        rows = []
+        rows: list[RequestRecord] = []
         while len(rows) < limit and not self._queue.empty():
             rows.append(self._queue.get_nowait())
         return rows
@@ -101,7 +100,7 @@ class RequestLogWriter:
     async def _write(self, rows: list[RequestRecord]) -> None:
         try:
             async with self._sessions() as session, session.begin():
-                await session.execute(insert(TABLE), [asdict(r) for r in rows])
+                await session.execute(insert(RequestLog), [asdict(r) for r in rows])
             self.num_written += len(rows)
         except Exception:
             self.num_dropped += len(rows)
