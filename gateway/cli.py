@@ -15,7 +15,12 @@ from pydantic import ValidationError
 from gateway.settings import Settings, parse_upstream_flag
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = {"overhead": "bench.overhead"}
+BENCHMARKS = {
+    "overhead": "bench.overhead",
+    "codec": "bench.codec",
+    "kv-tiers": "bench.kv_tiers",
+    "kv-trace": "bench.kv_trace",
+}
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:

@@ -1,0 +1,402 @@
+"""The KV-cache manager: lookup, load (with promotion) and store over a stack of tiers.
+
+Tiers are ordered fastest first (device, host, disk, redis). The manager keeps, per local tier,
+an index of the blocks it holds (hash -> stored bytes) and an eviction policy; the index is the
+truth for local tiers, while a shared tier (Redis, written by other replicas too) is asked
+directly. A block enters an index only after its `put` returned, so a lookup never sees half a
+block. All index and policy state sits behind one re-entrant lock; tier reads during `load` run
+outside it, protected by pins.
+
+Order of touches: a request's blocks are touched tail first, so the shared head of a chain is the
+most recently used and is evicted last; evicting a head would orphan every block after it.
+
+Write-through stores every new block in every tier; write-back stores it in the top tier and
+moves it one tier down when it is evicted there. Pinned blocks are never evicted; if a tier cannot
+make room because everything is pinned, the new block is simply not kept in that tier.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gateway.kvcache.blocks import BlockLayout, LoadedPrefix
+from gateway.kvcache.errors import CorruptBlockError
+from gateway.kvcache.keys import BlockHash, ChainKeyer
+from gateway.kvcache.policies import EvictionPolicy, build_policy
+from gateway.kvcache.settings import EvictionPolicyName, WritePolicy
+from gateway.kvcache.stats import CacheStats, InstrumentedTier, TierStats
+from gateway.kvcache.tiers.base import Tier
+
+_NO_BLOCK = torch.empty(0)
+
+
+@dataclass(slots=True)
+class LookupResult:
+    """The longest cached prefix: `block_hashes[j]` was found in tier `tiers[j]`.
+
+    With `pinned` the blocks stay unevictable until `KVCacheManager.release(result)`.
+    """
+
+    num_tokens: int
+    block_hashes: list[BlockHash]
+    tiers: list[str]
+    pinned: bool = False
+
+
+@dataclass(slots=True)
+class _Slot:
+    tier: InstrumentedTier
+    capacity_bytes: int | None
+    policy: EvictionPolicy
+    sizes: dict[BlockHash, int] = field(default_factory=dict)
+    used_bytes: int = 0
+
+    @property
+    def authoritative(self) -> bool:
+        return not self.tier.shared
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        tiers: Sequence[tuple[Tier, int | None]],
+        *,
+        keyer: ChainKeyer,
+        layout: BlockLayout | None,
+        device: torch.device | None = None,
+        eviction_policy: EvictionPolicyName = EvictionPolicyName.S3FIFO,
+        write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+        recompute_s_per_token: float | None = None,
+        skip_slow_tiers: bool = True,
+        share_across_tenants: bool = False,
+    ) -> None:
+        """`tiers`: (tier, byte budget or None for unbounded), fastest first. `layout` None means
+        metadata-only mode: blocks are tracked, no tensors stored (trace replay)."""
+        self.keyer = keyer
+        self.layout = layout
+        self.device = device if device is not None else torch.device("cpu")
+        self.write_policy = write_policy
+        self.recompute_s_per_token = recompute_s_per_token
+        self.skip_slow_tiers = skip_slow_tiers
+        self.share_across_tenants = share_across_tenants
+        self._slots = [
+            _Slot(t if isinstance(t, InstrumentedTier) else InstrumentedTier(t), cap,
+                  build_policy(eviction_policy))
+            for t, cap in tiers
+        ]
+        self._lock = threading.RLock()
+        self._pins: dict[BlockHash, int] = {}
+        self._num_lookups = 0
+        self._num_lookup_tokens = 0
+        self._num_hit_tokens = 0
+        self._num_stored_blocks = 0
+        for slot in self._slots:
+            for h, size in slot.tier.scan():
+                self._index_add(slot, h, size)
+            self._shrink(slot, protect=None)
+
+    # ----------------------------------------------------------------- keys and lookup
+
+    def hash_tokens(self, tenant_salt: str, token_ids: Sequence[int] | np.ndarray) -> list[BlockHash]:
+        return self.keyer.hash_blocks("" if self.share_across_tenants else tenant_salt, token_ids)
+
+    def lookup(
+        self,
+        tenant_salt: str,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        pin: bool = False,
+        recompute_s_per_token: float | None = None,
+    ) -> LookupResult:
+        """Longest prefix of full blocks of `token_ids` held in any tier (and worth loading)."""
+        return self.lookup_hashes(
+            self.hash_tokens(tenant_salt, token_ids), pin=pin, recompute_s_per_token=recompute_s_per_token
+        )
+
+    def lookup_hashes(
+        self, hashes: Sequence[BlockHash], *, pin: bool = False, recompute_s_per_token: float | None = None
+    ) -> LookupResult:
+        remote: dict[int, list[bool]] = {}
+        sources: list[int] = []
+        for i, h in enumerate(hashes):
+            with self._lock:
+                src = next((k for k, s in enumerate(self._slots) if s.authoritative and h in s.sizes), None)
+            if src is None:
+                src = self._remote_source(hashes, i, remote)
+            if src is None or not self._worth_loading(src, recompute_s_per_token):
+                break
+            sources.append(src)
+        found = list(hashes[: len(sources)])
+        with self._lock:
+            for h, src in reversed(list(zip(found, sources, strict=True))):
+                self._slots[src].policy.touch(h)
+            if pin:
+                for h in found:
+                    self._pins[h] = self._pins.get(h, 0) + 1
+            self._num_lookups += 1
+            self._num_lookup_tokens += len(hashes) * self.keyer.block_size
+            self._num_hit_tokens += len(found) * self.keyer.block_size
+        return LookupResult(
+            num_tokens=len(found) * self.keyer.block_size,
+            block_hashes=found,
+            tiers=[self._slots[s].tier.name for s in sources],
+            pinned=pin,
+        )
+
+    def _remote_source(self, hashes: Sequence[BlockHash], start: int, remote: dict[int, list[bool]]) -> int | None:
+        """First shared tier holding hashes[start]; asks each shared tier once per lookup."""
+        for k, slot in enumerate(self._slots):
+            if slot.authoritative or not slot.tier.available:
+                continue
+            if k not in remote:
+                remote[k] = [False] * start + slot.tier.contains_many(hashes[start:])
+            if remote[k][start]:
+                return k
+        return None
+
+    def _worth_loading(self, src: int, recompute_s_per_token: float | None) -> bool:
+        cost = recompute_s_per_token if recompute_s_per_token is not None else self.recompute_s_per_token
+        rate = self._slots[src].tier.counters.load_bytes_per_s
+        if not self.skip_slow_tiers or cost is None or rate is None or self.layout is None:
+            return True
+        return self.layout.block_nbytes / rate <= cost * self.keyer.block_size
+
+    def release(self, result: LookupResult) -> None:
+        """Unpin the blocks of a pinned lookup."""
+        if not result.pinned:
+            return
+        with self._lock:
+            for h in result.block_hashes:
+                left = self._pins.get(h, 0) - 1
+                if left > 0:
+                    self._pins[h] = left
+                else:
+                    self._pins.pop(h, None)
+            result.pinned = False
+
+    # ----------------------------------------------------------------- load
+
+    def load(self, result: LookupResult) -> LoadedPrefix:
+        """Read the blocks of `result` onto `self.device`, promoting each into the faster tiers.
+
+        Stops at the first block that is gone or damaged (damaged copies are dropped and counted,
+        and the next tier holding the block is tried); `LoadedPrefix.num_tokens` says how far it got.
+        """
+        hashes = result.block_hashes
+        # Pinned for the duration, so promoting block j cannot evict block j+1 before it is read.
+        with self._lock:
+            for h in hashes:
+                self._pins[h] = self._pins.get(h, 0) + 1
+        try:
+            return self._load(result)
+        finally:
+            self.release(LookupResult(result.num_tokens, hashes, result.tiers, pinned=True))
+
+    def _load(self, result: LookupResult) -> LoadedPrefix:
+        names = [s.tier.name for s in self._slots]
+        sources = [names.index(n) for n in result.tiers]
+        blocks: list[torch.Tensor] = []
+        hashes = result.block_hashes
+        i = 0
+        while i < len(hashes):
+            j = i
+            while j < len(hashes) and sources[j] == sources[i]:
+                j += 1
+            fetched = self._fetch_run(sources[i], hashes[i:j])
+            for h, block, src in zip(hashes[i:j], fetched, sources[i:j], strict=True):
+                if block is None:
+                    block, src = self._fetch_fallback(h, after=src)
+                if block is None:
+                    return self._loaded(hashes, blocks)
+                self._promote(h, block, src)
+                blocks.append(block)
+            i = j
+        return self._loaded(hashes, blocks)
+
+    def _loaded(self, hashes: Sequence[BlockHash], blocks: list[torch.Tensor]) -> LoadedPrefix:
+        n = len(blocks) if self.layout is not None else len(hashes)
+        return LoadedPrefix(num_tokens=n * self.keyer.block_size, block_hashes=list(hashes[:n]),
+                            blocks=blocks if self.layout is not None else [])
+
+    def _fetch_run(self, src: int, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        if self.layout is None:
+            return [_NO_BLOCK] * len(hashes)
+        slot = self._slots[src]
+        out: list[torch.Tensor | None] = []
+        for h, got in zip(hashes, slot.tier.get_many(hashes), strict=True):
+            if isinstance(got, torch.Tensor) and not self.layout.check_block(got):
+                slot.tier.counters.corrupt += 1
+                got = CorruptBlockError("block has the wrong shape or dtype")
+            if not isinstance(got, torch.Tensor):
+                self._drop(slot, h, delete=isinstance(got, CorruptBlockError))
+                out.append(None)
+            else:
+                out.append(got.to(self.device, non_blocking=True))
+        return out
+
+    def _fetch_fallback(self, h: BlockHash, *, after: int) -> tuple[torch.Tensor | None, int]:
+        for k in range(after + 1, len(self._slots)):
+            slot = self._slots[k]
+            if slot.authoritative and h not in slot.sizes:
+                continue
+            got = self._fetch_run(k, [h])[0]
+            if got is not None:
+                return got, k
+        return None, after
+
+    def _drop(self, slot: _Slot, h: BlockHash, *, delete: bool) -> None:
+        with self._lock:
+            self._index_remove(slot, h)
+        if delete:
+            slot.tier.delete(h)
+
+    def _promote(self, h: BlockHash, block: torch.Tensor, src: int) -> None:
+        for k in range(src):
+            with self._lock:
+                held = h in self._slots[k].sizes
+            if not held:
+                self._insert(k, h, block)
+
+    # ----------------------------------------------------------------- store
+
+    def store(self, tenant_salt: str, token_ids: Sequence[int] | np.ndarray, kv: torch.Tensor) -> int:
+        """Cache the full blocks of a sequence; `kv` is `[num_layers, 2, heads, seq, head_dim]`
+        with seq >= the tokens to cache. Returns how many blocks were new."""
+        if self.layout is None:
+            raise ValueError("store() needs a layout; use store_hashes() in metadata-only mode")
+        self.layout.check_sequence(kv)
+        num_tokens = min(len(token_ids), kv.shape[3])
+        hashes = self.hash_tokens(tenant_salt, token_ids[:num_tokens])
+        size = self.keyer.block_size
+        return self._store(hashes, lambda i: kv[:, :, :, i * size : (i + 1) * size, :])
+
+    def store_hashes(self, hashes: Sequence[BlockHash]) -> int:
+        """Metadata-only store: record the blocks as present, no tensors."""
+        return self._store(hashes, lambda i: _NO_BLOCK)
+
+    def _store(self, hashes: Sequence[BlockHash], block_of: Callable[[int], torch.Tensor]) -> int:
+        with self._lock:
+            held = [[h in s.sizes for s in self._slots] for h in hashes]
+        for k, slot in enumerate(self._slots):
+            if not slot.authoritative and slot.tier.available and self._targets_all():
+                for row, present in zip(held, slot.tier.contains_many(hashes), strict=True):
+                    row[k] = present
+        num_new = 0
+        for i, h in enumerate(hashes):
+            if any(held[i]):
+                if not self._targets_all():
+                    continue
+                targets = [k for k, hit in enumerate(held[i]) if not hit]
+            else:
+                num_new += 1
+                targets = list(range(len(self._slots))) if self._targets_all() else [0]
+            if not targets:
+                continue
+            block = block_of(i)
+            for k in targets:
+                self._insert(k, h, block)
+        with self._lock:
+            self._num_stored_blocks += num_new
+            for h in reversed(hashes):
+                for slot in self._slots:
+                    if h in slot.sizes:
+                        slot.policy.touch(h)
+        return num_new
+
+    def _targets_all(self) -> bool:
+        return self.write_policy == WritePolicy.WRITE_THROUGH
+
+    # ----------------------------------------------------------------- index and eviction
+
+    def _insert(self, k: int, h: BlockHash, block: torch.Tensor) -> None:
+        slot = self._slots[k]
+        stored = slot.tier.put(h, block)
+        if stored is None:
+            return
+        with self._lock:
+            self._index_add(slot, h, stored)
+            if not self._shrink(slot, protect=h):
+                self._index_remove(slot, h)
+                slot.tier.delete(h)
+
+    def _index_add(self, slot: _Slot, h: BlockHash, size: int) -> None:
+        if slot.capacity_bytes is None and not slot.authoritative:
+            return
+        old = slot.sizes.get(h)
+        if old is not None:
+            slot.used_bytes -= old
+        slot.sizes[h] = size
+        slot.used_bytes += size
+        slot.policy.insert(h)
+
+    def _index_remove(self, slot: _Slot, h: BlockHash) -> None:
+        size = slot.sizes.pop(h, None)
+        if size is not None:
+            slot.used_bytes -= size
+            slot.policy.remove(h)
+
+    def _shrink(self, slot: _Slot, *, protect: BlockHash | None) -> bool:
+        """Evict until the tier fits its budget; False when pins make that impossible."""
+        if slot.capacity_bytes is None:
+            return True
+        while slot.used_bytes > slot.capacity_bytes:
+            victim = slot.policy.evict(lambda h: h != protect and h not in self._pins)
+            if victim is None:
+                return False
+            self._evict(slot, victim)
+        return True
+
+    def _evict(self, slot: _Slot, victim: BlockHash) -> None:
+        k = self._slots.index(slot)
+        if self.write_policy == WritePolicy.WRITE_BACK and k + 1 < len(self._slots):
+            lower = self._slots[k + 1]
+            if victim not in lower.sizes:
+                block = _NO_BLOCK if self.layout is None else self._read_for_demotion(slot, victim)
+                if block is not None:
+                    self._insert(k + 1, victim, block)
+        self._index_remove(slot, victim)
+        slot.tier.delete(victim)
+        slot.tier.counters.evictions += 1
+
+    def _read_for_demotion(self, slot: _Slot, victim: BlockHash) -> torch.Tensor | None:
+        try:
+            return slot.tier.inner.get(victim)
+        except CorruptBlockError:
+            slot.tier.counters.corrupt += 1
+            return None
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            tiers = []
+            for slot in self._slots:
+                c = slot.tier.counters
+                indexed = slot.authoritative or slot.capacity_bytes is not None
+                tiers.append(TierStats(
+                    name=slot.tier.name, up=slot.tier.available,
+                    num_blocks=len(slot.sizes) if indexed else None,
+                    used_bytes=slot.used_bytes if indexed else None,
+                    capacity_bytes=slot.capacity_bytes, hits=c.hits, misses=c.misses,
+                    bytes_in=c.bytes_in, bytes_out=c.bytes_out, evictions=c.evictions,
+                    corrupt=c.corrupt,
+                    load_gbps=None if c.load_bytes_per_s is None else c.load_bytes_per_s / 1e9,
+                ))
+            return CacheStats(
+                num_lookups=self._num_lookups, num_lookup_tokens=self._num_lookup_tokens,
+                num_hit_tokens=self._num_hit_tokens, num_stored_blocks=self._num_stored_blocks,
+                num_pinned_blocks=len(self._pins), tiers=tiers,
+            )
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [s.tier.name for s in self._slots]
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.tier.close()

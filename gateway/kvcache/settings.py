@@ -1,0 +1,80 @@
+"""Settings of the tiered KV-cache engine.
+
+A plain pydantic model, not `BaseSettings`: the gateway nests it in its one settings tree as
+`settings.kvcache` (env `KVGATE_KVCACHE__<FIELD>`), and tests build it directly. A byte budget of 0
+turns a tier off; `redis_url=None` turns the Redis tier off.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+
+
+class CodecName(StrEnum):
+    SHRINK_ZSTD = "shrink-zstd"
+    SHRINK_LZ4 = "shrink-lz4"
+    RAW = "raw"
+
+
+class WritePolicy(StrEnum):
+    WRITE_THROUGH = "write-through"
+    WRITE_BACK = "write-back"
+
+
+class EvictionPolicyName(StrEnum):
+    LRU = "lru"
+    S3FIFO = "s3fifo"
+
+
+_MIB = 1 << 20
+_GIB = 1 << 30
+
+
+class KVCacheSettings(BaseModel):
+    """Every knob of `gateway/kvcache`; one line of description each."""
+
+    enabled: bool = Field(default=True, description="Use the tiered KV cache in the built-in engine.")
+    block_size: int = Field(default=16, ge=1, description="Tokens per KV block; only full blocks are cached.")
+    hash_seed: str = Field(default="kvgate-kv-v1", description="Seed mixed into every block hash chain.")
+    share_across_tenants: bool = Field(
+        default=False, description="Let tenants share blocks (drops the tenant salt from the chain)."
+    )
+    device: str = Field(default="auto", description="Device tier placement: auto (cuda if present), cpu, cuda:N.")
+    device_capacity_bytes: int = Field(default=512 * _MIB, ge=0, description="Device tier budget; 0 = off.")
+    device_verify: bool = Field(default=True, description="Check a cheap tensor checksum on device tier reads.")
+    host_capacity_bytes: int = Field(default=2 * _GIB, ge=0, description="Host DRAM tier budget; 0 = off.")
+    disk_capacity_bytes: int = Field(default=0, ge=0, description="Disk tier budget; 0 = off.")
+    disk_dir: Path = Field(default=Path("./data/kvcache"), description="Directory of the disk tier.")
+    disk_fsync: bool = Field(default=True, description="fsync each block file before it becomes visible.")
+    redis_url: str | None = Field(default=None, description="Redis URL of the shared tier; unset = off.")
+    redis_cluster: bool = Field(default=False, description="Talk to redis_url through the Redis Cluster client.")
+    redis_key_prefix: str = Field(default="kvgate:kv:", description="Prefix of every KV block key in Redis.")
+    redis_capacity_bytes: int | None = Field(
+        default=None, ge=0, description="Bytes this replica may write to Redis; unset = leave it to maxmemory."
+    )
+    redis_ttl_s: int | None = Field(default=86400, ge=1, description="Expiry of KV blocks in Redis; unset = none.")
+    redis_socket_timeout_s: float = Field(default=0.5, gt=0, description="Redis read/write timeout.")
+    redis_connect_timeout_s: float = Field(default=0.5, gt=0, description="Redis connect timeout.")
+    redis_retry_backoff_s: float = Field(default=1.0, gt=0, description="First wait before retrying a down Redis.")
+    redis_retry_backoff_max_s: float = Field(default=30.0, gt=0, description="Longest wait between Redis retries.")
+    device_codec: CodecName = Field(default=CodecName.RAW, description="Codec of the device tier (raw only).")
+    host_codec: CodecName = Field(default=CodecName.RAW, description="Codec of the host tier.")
+    disk_codec: CodecName = Field(default=CodecName.SHRINK_ZSTD, description="Codec of the disk tier.")
+    redis_codec: CodecName = Field(default=CodecName.SHRINK_ZSTD, description="Codec of the Redis tier.")
+    zstd_level: int = Field(default=1, ge=-7, le=22, description="zstd level of the shrink-zstd codec.")
+    write_policy: WritePolicy = Field(
+        default=WritePolicy.WRITE_THROUGH, description="write-through: store in every tier; write-back: on eviction."
+    )
+    eviction_policy: EvictionPolicyName = Field(
+        default=EvictionPolicyName.S3FIFO, description="Eviction order inside each bounded tier."
+    )
+    skip_slow_tiers: bool = Field(default=True, description="Recompute instead of loading from a slower tier.")
+
+    @field_validator("redis_url", "redis_capacity_bytes", "redis_ttl_s", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: object) -> object:
+        # `KVGATE_KVCACHE__REDIS_URL=` in a .env file means "unset", not an empty URL.
+        return None if value == "" else value

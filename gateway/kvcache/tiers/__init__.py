@@ -1,0 +1,1 @@
+"""Storage tiers behind one interface (`tiers.base.Tier`): device, host, disk, redis, metadata."""

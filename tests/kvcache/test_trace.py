@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.kv_trace import main as trace_main
+from gateway.kvcache.trace import TraceRequest, belady_hit_ratio, ideal_hit_ratio
+
+TRACE = [
+    TraceRequest(0, 0, 0, [0, 1, 2]),
+    TraceRequest(1, 0, 0, [0, 1, 3]),
+    TraceRequest(2, 0, 0, [4, 5]),
+    TraceRequest(3, 0, 0, [0, 1, 2, 6]),
+]
+
+
+def test_ideal_and_belady() -> None:
+    assert ideal_hit_ratio(TRACE) == pytest.approx(5 / 12)
+    assert belady_hit_ratio(TRACE, 100) == pytest.approx(5 / 12)
+    assert belady_hit_ratio(TRACE, 3) <= 5 / 12
+    assert belady_hit_ratio(TRACE, 0) == 0
+
+
+def test_bench_replays_any_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": r.timestamp, "input_length": 1, "output_length": 1,
+                                        "hash_ids": r.hash_ids}) + "\n" for r in TRACE))
+    assert trace_main(["--trace", str(path), "--capacities", "3,100", "--device-blocks", "1",
+                       "--host-blocks", "2", "--disk-blocks", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ideal_hit_ratio"] == pytest.approx(5 / 12, abs=1e-3)
+    rows = {(r["policy"], r["capacity_blocks"]): r for r in out["rows"]}
+    assert rows[("lru", 100)]["hit_ratio"] == pytest.approx(5 / 12, abs=1e-3)
+    assert {"policy", "capacity_blocks", "hit_ratio", "belady_hit_ratio"} <= set(rows[("s3fifo", 3)])
