@@ -1,7 +1,8 @@
 """`kvgate bench kv-trace`: replay a prefix-block trace through the manager, metadata only.
 
 For each eviction policy and capacity, one tier of that many blocks: prefix hit ratio next to
-Belady's offline optimum at the same capacity and the unbounded ideal. Then the tier stack given
+Belady's offline optimum at the same capacity (exact when the trace is chained, see
+`gateway.kvcache.trace.belady_hit_ratio`) and the unbounded ideal. Then the tier stack given
 by --device-blocks/--host-blocks/--disk-blocks: the share of blocks each tier served.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from gateway.kvcache.factory import build_metadata_manager
 from gateway.kvcache.keys import block_hash_from_id
 from gateway.kvcache.settings import EvictionPolicyName, KVCacheSettings, WritePolicy
-from gateway.kvcache.trace import TraceRequest, belady_hit_ratio, ideal_hit_ratio, read_trace
+from gateway.kvcache.trace import TraceRequest, belady_hit_ratio, ideal_hit_ratio, is_chained, read_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared/data/mooncake/conversation_trace.jsonl"
 
@@ -44,9 +45,9 @@ def replay(trace: list[TraceRequest], tiers: list[tuple[str, int | None]], polic
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvgate bench kv-trace", description=__doc__)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--capacities", default="2000,8000,32000",
+    p.add_argument("--capacities", default="2000,4000,8000,16000,32000",
                    help="comma-separated single-tier capacities in blocks")
-    p.add_argument("--policies", default="lru,s3fifo")
+    p.add_argument("--policies", default=",".join(EvictionPolicyName))
     p.add_argument("--device-blocks", type=int, default=2000)
     p.add_argument("--host-blocks", type=int, default=8000)
     p.add_argument("--disk-blocks", type=int, default=32000)
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> int:
     result = {
         "trace": str(args.trace), "num_requests": len(trace),
         "num_blocks": sum(len(r.hash_ids) for r in trace),
-        "ideal_hit_ratio": round(ideal_hit_ratio(trace), 4), "rows": rows,
+        "ideal_hit_ratio": round(ideal_hit_ratio(trace), 4), "belady_exact": is_chained(trace), "rows": rows,
         "tier_stack": {"capacity_blocks": dict(stack), "rows": tier_rows},
         "elapsed_s": round(time.perf_counter() - start, 1),
     }
@@ -82,7 +83,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(result))
         return 0
     print(f"trace {result['trace']}: {result['num_requests']} requests, {result['num_blocks']} blocks, "
-          f"ideal (unbounded) prefix hit ratio {result['ideal_hit_ratio']}")
+          f"ideal (unbounded) prefix hit ratio {result['ideal_hit_ratio']}, "
+          f"belady {'exact (chained trace)' if result['belady_exact'] else 'reference only (trace not chained)'}")
     print(f"{'policy':8} {'capacity':>9} {'hit_ratio':>9} {'belady':>7} {'of_belady':>9}")
     for row in rows:
         print(f"{row['policy']:8} {row['capacity_blocks']:>9} {row['hit_ratio']:>9.4f} "

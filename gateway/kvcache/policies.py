@@ -1,17 +1,23 @@
-"""Eviction order inside one bounded tier: LRU and S3-FIFO.
+"""Eviction order inside one bounded tier: LRU, S3-FIFO and ARC.
 
 A policy only orders block hashes; the manager owns sizes, budgets and pins and passes
 `can_evict` so that pinned blocks are skipped, never evicted. S3-FIFO (Yang et al., SOSP'23) is the
 scan-resistant one: new blocks enter a small FIFO and are dropped from it unless touched again, so
 a burst of one-time prefixes cannot flush the hot shared prefixes out of the main FIFO; blocks
 evicted from the small queue leave a ghost entry, and a ghost that comes back goes straight to main.
+ARC (Megiddo & Modha, FAST'03) splits the blocks into seen-once and seen-again lists and moves the
+boundary by which list's ghosts come back; see `ARCPolicy` for the two changes made for KV prefixes.
+
+The manager touches every block of a request when it stores it, right after inserting the new
+ones, and touches the hits once more at lookup. So a touch that follows an insert is the same
+reference, not a reuse; policies that count references (S3-FIFO, ARC) must not count it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.kvcache.keys import BlockHash
 from gateway.kvcache.settings import EvictionPolicyName
@@ -122,10 +128,97 @@ class S3FIFOPolicy:
         return len(self._small) + len(self._main)
 
 
+class ARCPolicy:
+    """ARC with a long admission history, for prefix-block traffic.
+
+    T1 holds blocks referenced once, T2 blocks referenced again; the target size `p` of T1 grows
+    when a block evicted from T1 comes back soon (its ghost is in B1, whose size is about the
+    cache's) and shrinks when one from T2 does (B2). Two changes to the textbook version:
+
+    * The first touch after `insert` confirms the insert instead of counting as a reuse (see the
+      module docstring); without this every stored block lands in T2 and ARC degenerates to LRU.
+    * Evicted hashes are remembered in a FIFO `history` of `history_factor` times the cache's
+      entries (16-byte keys, no data). Conversation turns come back minutes apart, much later
+      than a small tier's B1 can remember; a block found in the history is admitted to T2 as a
+      second reference without moving `p`. So a small tier keeps blocks that proved reusable and
+      lets one-time prefixes pass through T1, which is what makes it scan resistant.
+    """
+
+    def __init__(self, history_factor: float = 4.0) -> None:
+        self._t1: OrderedDict[BlockHash, bool] = OrderedDict()  # value: the insert's touch was seen
+        self._t2: OrderedDict[BlockHash, None] = OrderedDict()
+        self._b1: OrderedDict[BlockHash, None] = OrderedDict()
+        self._b2: OrderedDict[BlockHash, None] = OrderedDict()
+        self._history: OrderedDict[BlockHash, None] = OrderedDict()
+        self._history_factor = history_factor
+        self._p = 0.0
+
+    def insert(self, block_hash: BlockHash) -> None:
+        if block_hash in self._t1 or block_hash in self._t2:
+            self.touch(block_hash)
+            return
+        size = max(len(self), 1)
+        if block_hash in self._b1:
+            self._p = min(float(size), self._p + max(1.0, len(self._b2) / max(len(self._b1), 1)))
+            del self._b1[block_hash]
+        elif block_hash in self._b2:
+            self._p = max(0.0, self._p - max(1.0, len(self._b1) / max(len(self._b2), 1)))
+            del self._b2[block_hash]
+        elif block_hash not in self._history:
+            self._t1[block_hash] = False
+            return
+        self._history.pop(block_hash, None)
+        self._t2[block_hash] = None
+
+    def touch(self, block_hash: BlockHash) -> None:
+        if block_hash in self._t1:
+            if self._t1[block_hash]:
+                del self._t1[block_hash]
+                self._t2[block_hash] = None
+            else:
+                self._t1[block_hash] = True
+                self._t1.move_to_end(block_hash)
+        elif block_hash in self._t2:
+            self._t2.move_to_end(block_hash)
+
+    def remove(self, block_hash: BlockHash) -> None:
+        self._t1.pop(block_hash, None)
+        self._t2.pop(block_hash, None)
+
+    def evict(self, can_evict: CanEvict) -> BlockHash | None:
+        lists: list[tuple[OrderedDict[BlockHash, Any], OrderedDict[BlockHash, None]]] = [
+            (self._t1, self._b1), (self._t2, self._b2)]
+        if not (self._t1 and len(self._t1) > self._p):
+            lists.reverse()
+        for live, ghosts in lists:
+            for h in live:
+                if can_evict(h):
+                    del live[h]
+                    self._remember(ghosts, h)
+                    return h
+        return None
+
+    def _remember(self, ghosts: OrderedDict[BlockHash, None], block_hash: BlockHash) -> None:
+        ghosts[block_hash] = None
+        self._history[block_hash] = None
+        size = max(len(self), 1)
+        while len(self._t1) + len(self._b1) > size and self._b1:
+            self._b1.popitem(last=False)
+        while len(self) + len(self._b1) + len(self._b2) > 2 * size and (self._b1 or self._b2):
+            (self._b2 if self._b2 else self._b1).popitem(last=False)
+        while len(self._history) > self._history_factor * size:
+            self._history.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+
 def build_policy(name: EvictionPolicyName | str) -> EvictionPolicy:
     name = EvictionPolicyName(name)
     if name == EvictionPolicyName.LRU:
         return LRUPolicy()
     if name == EvictionPolicyName.S3FIFO:
         return S3FIFOPolicy()
+    if name == EvictionPolicyName.ARC:
+        return ARCPolicy()
     raise ValueError(f"eviction policy {name} is not implemented")

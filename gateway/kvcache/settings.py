@@ -27,6 +27,7 @@ class WritePolicy(StrEnum):
 class EvictionPolicyName(StrEnum):
     LRU = "lru"
     S3FIFO = "s3fifo"
+    ARC = "arc"
 
 
 _MIB = 1 << 20

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 from gateway.kvcache.keys import BlockHash, block_hash_from_id
-from gateway.kvcache.policies import LRUPolicy, S3FIFOPolicy
+from gateway.kvcache.policies import ARCPolicy, CanEvict, LRUPolicy, S3FIFOPolicy, build_policy
+from gateway.kvcache.settings import EvictionPolicyName
 
 
 def _h(i: int) -> BlockHash:
@@ -42,3 +43,67 @@ def test_s3fifo_all_pinned_returns_none() -> None:
         p.insert(_h(i))
     assert p.evict(lambda h: False) is None
     assert len(p) == 5
+
+
+def _fill(p: ARCPolicy, hashes: list[BlockHash], capacity: int, can_evict: CanEvict = lambda h: True) -> None:
+    """Store `hashes` the way the manager does: insert, evict to capacity, then touch the request."""
+    for h in hashes:
+        p.insert(h)
+        while len(p) > capacity:
+            assert p.evict(can_evict) is not None
+    for h in reversed(hashes):
+        p.touch(h)
+
+
+def test_arc_touch_after_insert_is_not_a_reuse() -> None:
+    p = ARCPolicy()
+    _fill(p, [_h(0), _h(1)], capacity=10)
+    assert set(p._t1) == {_h(0), _h(1)} and not p._t2
+    p.touch(_h(0))  # a later request uses block 0 again
+    assert set(p._t2) == {_h(0)}
+
+
+def test_arc_never_evicts_pinned_blocks() -> None:
+    p = ARCPolicy()
+    pinned = {_h(i) for i in range(5)}
+    _fill(p, sorted(pinned), capacity=8)
+    for i in range(100, 400):
+        _fill(p, [_h(i)], capacity=8, can_evict=lambda h: h not in pinned)
+        assert pinned <= set(p._t1) | set(p._t2)
+    assert len(p) == 8
+
+
+def test_arc_all_pinned_returns_none() -> None:
+    p = ARCPolicy()
+    _fill(p, [_h(i) for i in range(5)], capacity=10)
+    assert p.evict(lambda h: False) is None
+    assert len(p) == 5
+
+
+def test_arc_resists_a_scan() -> None:
+    p = ARCPolicy()
+    hot = [_h(i) for i in range(10)]
+    capacity = 20
+    _fill(p, hot, capacity)
+    for i in range(1000, 1400):  # one-time blocks, hot ones reused now and then
+        _fill(p, [_h(i)], capacity)
+        if i % 10 == 0:
+            for h in hot:
+                p.touch(h)
+    assert set(hot) <= set(p._t2)
+
+
+def test_arc_readmits_a_block_seen_long_ago_as_reused() -> None:
+    p = ARCPolicy(history_factor=8)
+    capacity = 4
+    _fill(p, [_h(0)], capacity)
+    for i in range(1, 20):  # _h(0) falls out of the cache and out of B1, not out of the history
+        _fill(p, [_h(i)], capacity)
+    assert _h(0) not in p._t1 and _h(0) not in p._t2 and _h(0) not in p._b1
+    _fill(p, [_h(0)], capacity)
+    assert _h(0) in p._t2
+
+
+def test_build_policy_knows_every_name() -> None:
+    for name in EvictionPolicyName:
+        assert len(build_policy(name)) == 0

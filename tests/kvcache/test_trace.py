@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from bench.kv_trace import main as trace_main
-from gateway.kvcache.trace import TraceRequest, belady_hit_ratio, ideal_hit_ratio
+from gateway.kvcache.trace import TraceRequest, belady_hit_ratio, ideal_hit_ratio, is_chained
 
 TRACE = [
     TraceRequest(0, 0, 0, [0, 1, 2]),
@@ -34,3 +34,15 @@ def test_bench_replays_any_trace_file(tmp_path: Path, capsys: pytest.CaptureFixt
     rows = {(r["policy"], r["capacity_blocks"]): r for r in out["rows"]}
     assert rows[("lru", 100)]["hit_ratio"] == pytest.approx(5 / 12, abs=1e-3)
     assert {"policy", "capacity_blocks", "hit_ratio", "belady_hit_ratio"} <= set(rows[("s3fifo", 3)])
+
+
+def test_belady_evicts_the_deeper_of_two_blocks_used_again_together() -> None:
+    # Both blocks of the first request come back together; with room for one, keeping the head
+    # gives a prefix hit, keeping the tail gives none.
+    trace = [TraceRequest(0, 0, 0, [1, 2]), TraceRequest(1, 0, 0, [1, 2])]
+    assert belady_hit_ratio(trace, 1) == pytest.approx(1 / 4)
+
+
+def test_is_chained() -> None:
+    assert is_chained(TRACE)
+    assert not is_chained([TraceRequest(0, 0, 0, [0, 1]), TraceRequest(1, 0, 0, [2, 1])])
