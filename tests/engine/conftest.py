@@ -1,0 +1,43 @@
+"""The real small model, loaded once per session, and runners over any tier stack."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.runner import ModelRunner
+from gateway.engine.settings import EngineSettings
+from gateway.kvcache.blocks import BlockLayout
+from gateway.kvcache.factory import build_manager
+from gateway.kvcache.settings import KVCacheSettings
+
+NO_TIERS = {"device_capacity_bytes": 0, "host_capacity_bytes": 0, "disk_capacity_bytes": 0}
+
+
+@pytest.fixture(scope="session")
+def loaded_model() -> LoadedModel:
+    settings = EngineSettings()
+    return load_model(settings.model, settings.model_cache_dir)
+
+
+@pytest.fixture
+def make_runner(loaded_model: LoadedModel) -> Iterator[Callable[..., ModelRunner]]:
+    """`make_runner(layerwise_min_tokens=..., **kvcache_fields)`: a runner over those tiers only."""
+    made: list[ModelRunner] = []
+
+    def make(layerwise_min_tokens: int = 100_000, **fields: object) -> ModelRunner:
+        settings = KVCacheSettings(**{**NO_TIERS, **fields})
+        layout = BlockLayout(loaded_model.num_layers, loaded_model.num_kv_heads, loaded_model.head_dim,
+                             settings.block_size, loaded_model.dtype)
+        kv = build_manager(settings, model_id=loaded_model.model_id, layout=layout)
+        runner = ModelRunner(loaded_model, kv, layerwise_min_tokens=layerwise_min_tokens)
+        made.append(runner)
+        return runner
+
+    yield make
+    for runner in made:
+        runner.close()
+        if runner.kv is not None:
+            runner.kv.close()
