@@ -10,6 +10,7 @@ Replies echo the last user message. A request picks a fault with the body field 
     drop_mid_stream             close the connection after two chunks
     malformed_sse               send an event whose data is not JSON
     garbage                     answer 200 with a body that is not JSON
+    finish_length               a normal answer whose finish_reason is "length" (cut off)
 
 GET /control/state shows the last request (body and headers) and which streams were cancelled.
 """
@@ -19,11 +20,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections import OrderedDict
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
+
+from gateway.upstream.prefix_index import prefix_blocks
+from gateway.usage.tokens import get_encoding, render_prompt
 
 MODELS = ["fake-model", "fake-embed"]
 
@@ -46,7 +51,12 @@ def _last_user_text(messages: list[dict[str, Any]]) -> str:
     return ""
 
 
-def create_fake_upstream() -> FastAPI:
+def create_fake_upstream(prefix_cache_blocks: int = 0, report_cached: bool = True,
+                         block_tokens: int = 64) -> FastAPI:
+    """`prefix_cache_blocks` > 0 makes it behave like a server with automatic prefix caching: chat
+    prompts are rendered (tools as JSON in the order received, as chat templates do), cut into
+    `block_tokens`-token blocks and kept in an LRU of that many blocks; usage reports the cached
+    prefix (unless `report_cached` is False, like servers without cache reporting)."""
     app = FastAPI()
     state: dict[str, Any] = {"last_request": None, "last_headers": None, "cancelled": [], "count": 0}
     signals: dict[str, asyncio.Event] = {}
@@ -91,6 +101,38 @@ def create_fake_upstream() -> FastAPI:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": 0}}
 
+    lru: OrderedDict[bytes, None] = OrderedDict()
+
+    def chat_usage(body: dict[str, Any], text: str, reply: str) -> dict[str, Any]:
+        if not prefix_cache_blocks:
+            return usage(text, reply)
+        ids = get_encoding("o200k_base").encode(render_prompt(body), disallowed_special=())
+        blocks = prefix_blocks(ids, block_tokens)
+        hit = 0
+        for block in blocks:
+            if block not in lru:
+                break
+            hit += 1
+        for block in blocks:
+            lru[block] = None
+            lru.move_to_end(block)
+        while len(lru) > prefix_cache_blocks:
+            lru.popitem(last=False)
+        completion = len(reply.split())
+        result: dict[str, Any] = {"prompt_tokens": len(ids), "completion_tokens": completion,
+                                  "total_tokens": len(ids) + completion}
+        if report_cached:
+            result["prompt_tokens_details"] = {"cached_tokens": hit * block_tokens}
+        state["prefix_hit_tokens"] = state.get("prefix_hit_tokens", 0) + hit * block_tokens
+        state["prompt_tokens"] = state.get("prompt_tokens", 0) + len(ids)
+        return result
+
+    @app.post("/control/reset")
+    async def control_reset() -> Response:
+        lru.clear()
+        state.update(count=0, prefix_hit_tokens=0, prompt_tokens=0)
+        return _json({"reset": True})
+
     def tool_call(body: dict[str, Any], text: str) -> dict[str, Any] | None:
         tools = body.get("tools")
         if not tools or body.get("tool_choice") == "none":
@@ -108,6 +150,7 @@ def create_fake_upstream() -> FastAPI:
         text = _last_user_text(body.get("messages", []))
         reply = f"echo: {text}"
         call = tool_call(body, text)
+        finish = "length" if fault == "finish_length" else "tool_calls" if call else "stop"
         created = int(time.time())
         base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": created,
                 "model": body["model"], "system_fingerprint": "fp_fake"}
@@ -118,8 +161,8 @@ def create_fake_upstream() -> FastAPI:
                 message["tool_calls"] = [call]
             return _json({**base, "object": "chat.completion", "vendor_field": {"kept": True},
                           "choices": [{"index": 0, "message": message, "logprobs": None,
-                                       "finish_reason": "tool_calls" if call else "stop"}],
-                          "usage": usage(text, reply)})
+                                       "finish_reason": finish}],
+                          "usage": chat_usage(body, text, reply)})
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
@@ -148,10 +191,9 @@ def create_fake_upstream() -> FastAPI:
                             yield b"data: {not json\n\n"
                         delta = {"content": word if i == 0 else " " + word, "reasoning_content": None}
                         yield _event({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-                yield _event({**base, "choices": [{"index": 0, "delta": {},
-                                                   "finish_reason": "tool_calls" if call else "stop"}]})
+                yield _event({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
                 if include_usage:
-                    yield _event({**base, "choices": [], "usage": usage(text, reply)})
+                    yield _event({**base, "choices": [], "usage": chat_usage(body, text, reply)})
                 yield b"data: [DONE]\n\n"
             except asyncio.CancelledError:
                 state["cancelled"].append(tag)

@@ -37,11 +37,12 @@ class Backend(Protocol):
         """The model objects this backend serves (`/v1/models` entries)."""
         ...
 
-    async def post_json(self, path: str, body: JSONObject) -> UpstreamJSON:
-        """POST and return a successful JSON answer; raise a GatewayError otherwise."""
+    async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
+        """POST and return a successful JSON answer; raise a GatewayError otherwise. `salt` keys
+        the tenant's KV blocks on backends that cache per tenant (the built-in engine)."""
         ...
 
-    async def post_stream(self, path: str, body: JSONObject) -> UpstreamStream:
+    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamStream:
         """POST and return once the answer's status is known to be a success."""
         ...
 

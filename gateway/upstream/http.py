@@ -23,6 +23,7 @@ from gateway.settings import UpstreamSettings
 from gateway.upstream.backend import JSONObject, UpstreamJSON
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
+SALT_HEADER = "x-kvgate-cache-salt"
 
 
 class UpstreamConnectError(UpstreamUnavailable):
@@ -101,6 +102,10 @@ class HttpBackend:
             )
         return self._session
 
+    def _salt_header(self, salt: str) -> dict[str, str] | None:
+        """Only upstreams marked as kvgate engines learn the tenant's KV salt."""
+        return {SALT_HEADER: salt} if salt and self.config.send_cache_salt else None
+
     async def list_models(self) -> list[JSONObject]:
         with _mapped(self.name):
             async with self.session.get(self._base + "/models") as response:
@@ -113,9 +118,10 @@ class HttpBackend:
             raise UpstreamProtocolError(f"upstream {self.name!r} sent an unreadable model list") from exc
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
-    async def post_json(self, path: str, body: JSONObject) -> UpstreamJSON:
+    async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
         with _mapped(self.name):
-            async with self.session.post(self._base + path, data=orjson.dumps(body)) as response:
+            async with self.session.post(self._base + path, data=orjson.dumps(body),
+                                         headers=self._salt_header(salt)) as response:
                 raw = await response.read()
         if response.status >= 400:
             raise UpstreamStatusError(response.status, _error_body(raw), self.name)
@@ -127,9 +133,10 @@ class HttpBackend:
             raise UpstreamProtocolError(f"upstream {self.name!r} sent JSON that is not an object")
         return UpstreamJSON(response.status, parsed, raw)
 
-    async def post_stream(self, path: str, body: JSONObject) -> _HttpStream:
+    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "") -> _HttpStream:
         with _mapped(self.name):
-            response = await self.session.post(self._base + path, data=orjson.dumps(body))
+            response = await self.session.post(self._base + path, data=orjson.dumps(body),
+                                               headers=self._salt_header(salt))
         if response.status >= 400:
             try:
                 with _mapped(self.name):

@@ -8,7 +8,7 @@ not be passed on as broken SSE; and the usage chunk feeds accounting and the req
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,11 +30,15 @@ class StreamOutcome:
     finish_reason: str | None = None
     completed: bool = False
     error: GatewayError | None = None
+    # Set to a list to tee every parsed chunk into it (the response cache assembles the answer).
+    chunks: list[dict[str, Any]] | None = None
 
 
 async def relay_stream(
-    stream: UpstreamStream, outcome: StreamOutcome, *, drop_usage_chunk: bool
+    stream: UpstreamStream, outcome: StreamOutcome, *, drop_usage_chunk: bool,
+    annotate_usage: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> AsyncIterator[bytes]:
+    """`annotate_usage` rewrites the usage chunk's `usage` (cache accounting) before it is sent."""
     splitter = SSESplitter()
     try:
         async for chunk in stream.aiter_bytes():
@@ -64,8 +68,13 @@ async def relay_stream(
                     out.append(event)
                     yield b"".join(out)
                     return
-                if _is_usage_only(payload, outcome) and drop_usage_chunk:
-                    continue
+                if outcome.chunks is not None:
+                    outcome.chunks.append(payload)
+                if _is_usage_only(payload, outcome):
+                    if drop_usage_chunk:
+                        continue
+                    if annotate_usage is not None and outcome.usage is not None:
+                        event = encode_event({**payload, "usage": annotate_usage(outcome.usage)})
                 if outcome.first_byte_s is None:
                     outcome.first_byte_s = time.perf_counter()
                 out.append(event)

@@ -1,37 +1,63 @@
-"""Which backend serves a model, and failover when one cannot be reached.
+"""Which backend serves a request: the one most likely to hold its prompt prefix in KV cache,
+tempered by in-flight load; failover and a circuit breaker when one fails.
 
 Models come from settings or from each backend's `/v1/models`. A backend whose models could not be
 discovered is asked again, at most every `rediscover_s`, when a request names an unknown model.
+
+Failover happens only while nothing has reached the client: a connect failure (nothing was sent)
+is retried, then moved on; a 5xx answer moves on to the next backend. Timeouts and 4xx are final.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
-from gateway.errors import GatewayError, ModelNotFound, UpstreamUnavailable
+from gateway.errors import GatewayError, ModelNotFound, UpstreamError, UpstreamStatusError, UpstreamUnavailable
 from gateway.upstream.backend import Backend, JSONObject
+from gateway.upstream.health import UpstreamHealth
 from gateway.upstream.http import UpstreamConnectError
+from gateway.upstream.prefix_index import PrefixBlock, PrefixIndex
+from gateway.upstream.settings import RoutingSettings, Strategy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(slots=True)
+class Route:
+    """Where a request went, and how much of its prompt that backend is expected to have cached."""
+
+    backend: Backend
+    blocks: Sequence[PrefixBlock] = ()
+    matched_tokens: int = 0
+    released: bool = field(default=False)
+
+
 class Router:
-    def __init__(self, backends: list[Backend], *, connect_retries: int = 1, rediscover_s: float = 5.0):
+    def __init__(self, backends: list[Backend], settings: RoutingSettings | None = None, *,
+                 rediscover_s: float = 5.0) -> None:
         self.backends = backends
+        self.settings = settings or RoutingSettings()
+        self.index = PrefixIndex(self.settings.index_blocks_per_upstream)
+        self.health = {
+            b.name: UpstreamHealth(self.settings.failure_threshold, self.settings.cooldown_s) for b in backends
+        }
         self._models: dict[str, JSONObject] = {}
         self._serving: dict[str, list[Backend]] = {}
-        self._configured: dict[str, list[str]] = {}
         self._undiscovered: set[str] = {b.name for b in backends}
-        self._connect_retries = connect_retries
         self._rediscover_s = rediscover_s
         self._last_discovery = 0.0
         self._turn = itertools.count()
+        self._checker: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ models
 
     def configure_models(self, backend: Backend, models: list[str]) -> None:
         """Models listed in settings: no discovery for this backend."""
@@ -67,27 +93,100 @@ class Router:
 
     async def _candidates(self, model_id: str) -> list[Backend]:
         serving = self._serving.get(model_id)
-        if not serving and self._undiscovered and time.monotonic() - self._last_discovery > self._rediscover_s:
+        stale = time.monotonic() - self._last_discovery > self._rediscover_s
+        if not serving and self._undiscovered and stale:
             await self.discover()
             serving = self._serving.get(model_id)
         if not serving:
             raise ModelNotFound(f"The model {model_id!r} does not exist or is not served here", param="model")
         return serving
 
-    async def call(self, model_id: str, attempt: Callable[[Backend], Awaitable[T]]) -> tuple[T, Backend]:
-        """Run `attempt` on a backend serving `model_id`. Only a connect failure, where nothing was
-        sent, moves on to the next backend or retries; any other error is final."""
-        serving = await self._candidates(model_id)
+    def serves_alone(self, model_id: str) -> bool:
+        return len(self._serving.get(model_id, ())) <= 1
+
+    # ------------------------------------------------------------------ choice
+
+    def order(self, serving: list[Backend], blocks: Sequence[PrefixBlock]) -> list[tuple[Backend, int]]:
+        """Backends to try, best first, each with the cached tokens it is expected to hold."""
         start = next(self._turn) % len(serving)
-        order = serving[start:] + serving[:start]
+        rotated = serving[start:] + serving[:start]
+        up = [b for b in rotated if self.health[b.name].available()] or rotated
+        tokens = self.settings.block_tokens
+        matched = {b.name: self.index.matched_blocks(b.name, blocks) * tokens for b in up}
+        strategy = self.settings.strategy
+        if strategy == Strategy.ROUND_ROBIN:
+            ranked = up
+        elif strategy == Strategy.LEAST_LOAD:
+            ranked = sorted(up, key=lambda b: self.health[b.name].in_flight)
+        else:
+            penalty = self.settings.load_penalty_tokens
+            ranked = sorted(up, key=lambda b: matched[b.name] - penalty * self.health[b.name].in_flight,
+                            reverse=True)
+        return [(b, matched[b.name]) for b in ranked]
+
+    async def call(self, model_id: str, attempt: Callable[[Backend], Awaitable[T]],
+                   blocks: Sequence[PrefixBlock] = ()) -> tuple[T, Route]:
+        """Run `attempt` on the best backend for `model_id`. The caller must `release` the route
+        when the request is over (for a stream: when the stream ends)."""
+        serving = await self._candidates(model_id)
         last: GatewayError | None = None
-        for backend in order:
-            for _ in range(1 + self._connect_retries):
+        for backend, matched in self.order(serving, blocks):
+            health = self.health[backend.name]
+            for _ in range(1 + self.settings.connect_retries):
+                health.begin()
                 try:
-                    return await attempt(backend), backend
+                    result = await attempt(backend)
                 except UpstreamConnectError as exc:
+                    health.end(False)
                     last = exc
+                    continue
+                except UpstreamStatusError as exc:
+                    health.end(False if exc.status_code >= 500 else None)
+                    if exc.status_code < 500:
+                        raise
+                    last = exc
+                    break
+                except UpstreamError:
+                    health.end(False)
+                    raise
+                except BaseException:
+                    health.end(None)
+                    raise
+                return result, Route(backend, blocks, matched)
+        if isinstance(last, UpstreamStatusError):
+            raise last
         raise UpstreamUnavailable(last.message if last else f"no upstream serves {model_id!r}")
 
+    def release(self, route: Route, ok: bool | None = True) -> None:
+        """End a routed request; a successful one leaves its prefix cached on that backend."""
+        if route.released:
+            return
+        route.released = True
+        self.health[route.backend.name].end(ok)
+        if ok:
+            self.index.record(route.backend.name, route.blocks)
+
+    # ------------------------------------------------------------------ health checks
+
+    def start_health_checks(self) -> None:
+        if len(self.backends) > 1 and self._checker is None:
+            self._checker = asyncio.create_task(self._check_forever(), name="upstream-health")
+
+    async def _check_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            results = await asyncio.gather(*(b.list_models() for b in self.backends), return_exceptions=True)
+            for backend, result in zip(self.backends, results, strict=True):
+                health = self.health[backend.name]
+                ok = not isinstance(result, BaseException)
+                if health.healthy and not ok:
+                    log.warning("upstream %r failed its health check: %s", backend.name, result)
+                    self.index.forget(backend.name)
+                health.healthy = ok
+
     async def aclose(self) -> None:
+        if self._checker is not None:
+            self._checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checker
         await asyncio.gather(*(b.aclose() for b in self.backends), return_exceptions=True)
