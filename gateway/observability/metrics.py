@@ -1,0 +1,282 @@
+"""Every Prometheus metric kvgate exports, in one place.
+
+Two kinds:
+
+- Request metrics (counters, histograms, gauges) are updated as requests finish: `Metrics.observe`
+  reads the `RequestRecord` the proxy already builds for the request log, so the request path
+  needs no metric calls of its own.
+- State metrics (KV tiers, engine queue, dropped log rows) are read at scrape time by
+  `LiveCollector` from the objects that own the state (`KVCacheManager.stats()`), never copied.
+
+Several worker processes: when `PROMETHEUS_MULTIPROC_DIR` is set before the process starts (an
+empty directory, cleared before each start), prometheus-client keeps request metrics in memory-
+mapped files there and `/metrics` sums every worker's files (`MultiProcessCollector`). State
+metrics describe the process that answered the scrape; run the engine as `kvgate engine` and scrape
+it separately to see one KV cache whatever the number of gateway workers.
+
+Labels never carry API keys, upstream keys, tenants' prompt text or client-chosen strings other
+than the model of a successful request (a served model, so bounded).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+from starlette.responses import Response
+
+if TYPE_CHECKING:
+    from gateway.engine.service import Engine
+    from gateway.kvcache.manager import KVCacheManager
+    from gateway.observability.settings import ObservabilitySettings
+    from gateway.persistence.request_log import RequestLogWriter, RequestRecord
+    from gateway.upstream.router import Router
+from gateway.usage.settings import Price
+
+PriceFor = Callable[[str | None], Price]
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_KINDS = ("prompt", "cached", "cache_creation", "completion")
+HIT_KINDS = {"hit-exact": "exact", "hit-semantic": "semantic"}
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixBreak:
+    """Where a request's prompt stopped matching the cached prefix, and why; never prompt text."""
+
+    created_at: float
+    reason: str
+    tenant: str
+    model: str | None
+    block_index: int | None
+
+
+class Metrics:
+    """The request metrics of one app, in their own registry (tests build many apps per process)."""
+
+    def __init__(self, settings: ObservabilitySettings, price_for: PriceFor) -> None:
+        self.price_for = price_for
+        self.settings = settings
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvgate_requests", "Finished requests by route, status and response-cache result",
+                                ["route", "status", "cache"], registry=r)
+        self.duration = Histogram("kvgate_request_duration_seconds", "Total request latency",
+                                  ["route", "cache"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ttft = Histogram("kvgate_time_to_first_token_seconds",
+                              "Time to the first byte of the answer (first token when streaming)",
+                              ["route", "cache"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tokens = Counter("kvgate_tokens", "Tokens by kind: prompt, cached (read from a KV cache), "
+                              "cache_creation (written to one), completion", ["kind", "model"], registry=r)
+        self.cache_lookups = Counter("kvgate_response_cache_lookups",
+                                     "Response-cache lookups by result (hit-exact, hit-semantic, miss)",
+                                     ["result"], registry=r)
+        self.cache_hits = Counter("kvgate_response_cache_hits", "Response-cache hits by kind (exact, semantic)",
+                                  ["kind"], registry=r)
+        self.cache_bypass = Counter("kvgate_response_cache_bypass",
+                                    "Requests that skipped the response cache (cache controls)", registry=r)
+        self.saved_tokens = Counter("kvgate_saved_tokens",
+                                    "Tokens not computed upstream, by source (response_cache, kv_cache)",
+                                    ["source"], registry=r)
+        self.saved_cost = Counter("kvgate_saved_cost_dollars",
+                                  "Estimated cost saved, by source, at the configured prices",
+                                  ["source"], registry=r)
+        self.prefix_breaks = Counter("kvgate_prefix_breaks", "Requests whose prompt prefix stopped matching "
+                                     "a cached prefix, by reason", ["reason"], registry=r)
+        self.in_flight = Gauge("kvgate_in_flight_requests", "HTTP requests being served, by route",
+                               ["route"], multiprocess_mode="livesum", registry=r)
+        self.upstream_errors = Counter("kvgate_upstream_errors", "Failed upstream requests by upstream and error",
+                                       ["upstream", "error"], registry=r)
+        self.recent_breaks: deque[PrefixBreak] = deque(maxlen=settings.recent_prefix_breaks)
+        self.live = LiveCollector()
+        self.registry.register(self.live)
+
+    # ----------------------------------------------------------------- request path
+
+    def observe(self, record: RequestRecord) -> None:
+        """One finished request, from the row the proxy writes to the request log."""
+        cache = record.cache or "none"
+        self.requests.labels(record.route, str(record.status), cache).inc()
+        self.duration.labels(record.route, cache).observe(record.total_ms / 1000)
+        if record.ttfb_ms is not None and record.status < 400:
+            self.ttft.labels(record.route, cache).observe(record.ttfb_ms / 1000)
+        if cache in HIT_KINDS or cache == "miss":
+            self.cache_lookups.labels(cache).inc()
+        if cache in HIT_KINDS:
+            self.cache_hits.labels(HIT_KINDS[cache]).inc()
+        elif cache == "bypass":
+            self.cache_bypass.inc()
+        if record.upstream is not None and record.status >= 500:
+            self.upstream_errors.labels(record.upstream, record.error_type or str(record.status)).inc()
+        if record.status >= 400:
+            return
+        model = record.model or ""
+        counts = token_counts(record)
+        for kind in TOKEN_KINDS:
+            if counts[kind]:
+                self.tokens.labels(kind, model).inc(counts[kind])
+        price = self.price_for(record.model)
+        if cache in HIT_KINDS:
+            saved = counts["prompt"] + counts["completion"]
+            self.saved_tokens.labels("response_cache").inc(saved)
+            self.saved_cost.labels("response_cache").inc(
+                (counts["prompt"] * price.input + counts["completion"] * price.output) / 1e6)
+        elif counts["cached"]:
+            self.saved_tokens.labels("kv_cache").inc(counts["cached"])
+            discount = max(price.input - price.cached_input, 0.0)
+            self.saved_cost.labels("kv_cache").inc(counts["cached"] * discount / 1e6)
+
+    def observe_prefix_break(self, reason: str, *, tenant: str, model: str | None = None,
+                             block_index: int | None = None) -> None:
+        """A request whose prompt broke the cached prefix. `reason` is a short fixed word (the
+        prefix-break diagnostics of canonical/ choose it), never text taken from the prompt."""
+        self.prefix_breaks.labels(reason).inc()
+        self.recent_breaks.append(PrefixBreak(time.time(), reason, tenant, model, block_index))
+
+    # ----------------------------------------------------------------- exposition
+
+    def exposition(self) -> bytes:
+        """The text format for one scrape: every worker's request metrics in multiprocess mode,
+        this process's state metrics either way."""
+        if multiprocess_dir() is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        registry.register(self.live)
+        return generate_latest(registry)
+
+
+def token_counts(record: RequestRecord) -> dict[str, int]:
+    """Tokens by kind. Without a reported cache-creation count, prompt tokens not read from cache
+    count as written to it: that is what a prefix-caching engine does with them."""
+    prompt = record.prompt_tokens or 0
+    cached = min(record.cached_tokens or 0, prompt) if prompt else (record.cached_tokens or 0)
+    creation = getattr(record, "cache_creation_tokens", None)
+    if creation is None:
+        creation = 0 if record.cache in HIT_KINDS else max(prompt - cached, 0)
+    return {"prompt": prompt, "cached": cached, "cache_creation": creation,
+            "completion": record.completion_tokens or 0}
+
+
+class LiveCollector(Collector):
+    """State read at scrape time: upstream health and load from the router, the in-process
+    engine's KV tiers and queue, the request log's dropped rows."""
+
+    def __init__(self) -> None:
+        self.kv: KVCacheManager | None = None
+        self.engine: Engine | None = None
+        self.request_log: RequestLogWriter | None = None
+        self.router: Router | None = None
+
+    def attach(self, *, engine: Engine | None = None, request_log: RequestLogWriter | None = None,
+               router: Router | None = None) -> None:
+        self.engine = engine
+        self.kv = engine.kv if engine is not None else None
+        self.request_log = request_log
+        self.router = router
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self.request_log is not None:
+            yield CounterMetricFamily("kvgate_request_log_dropped_rows", "Request-log rows dropped (queue full, "
+                                      "database down)", value=self.request_log.num_dropped)
+        if self.router is not None:
+            yield from upstream_metrics(self.router)
+        if self.engine is not None:
+            yield GaugeMetricFamily("kvgate_engine_queue_requests", "Requests waiting for the built-in engine",
+                                    value=self.engine.worker.num_pending)
+        if self.kv is not None:
+            yield from kv_metrics(self.kv)
+
+
+def upstream_metrics(router: Router) -> Iterator[Metric]:
+    up = GaugeMetricFamily("kvgate_upstream_up", "1 when the upstream takes requests (health check passed, "
+                           "circuit not open)", labels=["upstream"])
+    in_flight = GaugeMetricFamily("kvgate_upstream_in_flight_requests", "Requests open at the upstream",
+                                  labels=["upstream"])
+    # Read defensively: the router's health bookkeeping is optional to this module.
+    health = getattr(router, "health", None) or {}
+    for backend in router.backends:
+        state = health.get(backend.name)
+        if state is None:
+            continue
+        up.add_metric([backend.name], 1 if state.available() else 0)
+        in_flight.add_metric([backend.name], state.in_flight)
+    yield up
+    yield in_flight
+
+
+def kv_metrics(kv: KVCacheManager) -> Iterator[Metric]:
+    stats = kv.stats()
+    yield CounterMetricFamily("kvgate_kv_lookups", "KV-cache prefix lookups", value=stats.num_lookups)
+    yield CounterMetricFamily("kvgate_kv_lookup_tokens", "Tokens looked up in the KV cache",
+                              value=stats.num_lookup_tokens)
+    yield CounterMetricFamily("kvgate_kv_hit_tokens", "Tokens found in the KV cache", value=stats.num_hit_tokens)
+    yield CounterMetricFamily("kvgate_kv_stored_blocks", "KV blocks stored", value=stats.num_stored_blocks)
+    yield GaugeMetricFamily("kvgate_kv_pinned_blocks", "KV blocks pinned by running requests",
+                            value=stats.num_pinned_blocks)
+    families: dict[str, Any] = {
+        "up": GaugeMetricFamily("kvgate_kv_tier_up", "1 when the tier is reachable", labels=["tier"]),
+        "blocks": GaugeMetricFamily("kvgate_kv_tier_blocks", "Blocks held by the tier", labels=["tier"]),
+        "used": GaugeMetricFamily("kvgate_kv_tier_used_bytes", "Bytes held by the tier", labels=["tier"]),
+        "capacity": GaugeMetricFamily("kvgate_kv_tier_capacity_bytes", "Byte budget of the tier", labels=["tier"]),
+        "hits": CounterMetricFamily("kvgate_kv_tier_hits", "Block loads found in the tier", labels=["tier"]),
+        "misses": CounterMetricFamily("kvgate_kv_tier_misses", "Block loads not found in the tier",
+                                      labels=["tier"]),
+        "evictions": CounterMetricFamily("kvgate_kv_tier_evictions", "Blocks evicted from the tier",
+                                         labels=["tier"]),
+        "corrupt": CounterMetricFamily("kvgate_kv_tier_corrupt_blocks", "Blocks dropped for a failed checksum",
+                                       labels=["tier"]),
+        "read": CounterMetricFamily("kvgate_kv_tier_read_bytes", "Bytes loaded from the tier (decoded)",
+                                    labels=["tier"]),
+        "written": CounterMetricFamily("kvgate_kv_tier_written_bytes", "Bytes stored in the tier (encoded)",
+                                       labels=["tier"]),
+        "bandwidth": GaugeMetricFamily("kvgate_kv_tier_load_bytes_per_second",
+                                       "Measured load bandwidth of the tier", labels=["tier"]),
+        "ratio": GaugeMetricFamily("kvgate_kv_codec_ratio", "Raw bytes per stored byte of the tier's blocks "
+                                   "(1 for raw tiers)", labels=["tier"]),
+    }
+    block_bytes = kv.layout.block_nbytes if kv.layout is not None else None
+    for tier in stats.tiers:
+        labels = [tier.name]
+        families["up"].add_metric(labels, 1 if tier.up else 0)
+        if tier.num_blocks is not None:
+            families["blocks"].add_metric(labels, tier.num_blocks)
+        if tier.used_bytes is not None:
+            families["used"].add_metric(labels, tier.used_bytes)
+        if tier.capacity_bytes is not None:
+            families["capacity"].add_metric(labels, tier.capacity_bytes)
+        families["hits"].add_metric(labels, tier.hits)
+        families["misses"].add_metric(labels, tier.misses)
+        families["evictions"].add_metric(labels, tier.evictions)
+        families["corrupt"].add_metric(labels, tier.corrupt)
+        families["read"].add_metric(labels, tier.bytes_out)
+        families["written"].add_metric(labels, tier.bytes_in)
+        if tier.load_gbps is not None:
+            families["bandwidth"].add_metric(labels, tier.load_gbps * 1e9)
+        if block_bytes and tier.num_blocks and tier.used_bytes:
+            families["ratio"].add_metric(labels, tier.num_blocks * block_bytes / tier.used_bytes)
+    yield from families.values()
+
+
+def engine_metrics_response(engine: Engine) -> Response:
+    """`/metrics` of `kvgate engine`: the KV tiers and the queue of this engine process."""
+    registry = CollectorRegistry(auto_describe=True)
+    live = LiveCollector()
+    live.attach(engine=engine)
+    registry.register(live)
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,125 @@
+"""`/metrics`, `/dashboard` and the dashboard's JSON data API.
+
+The dashboard page and its assets are a static shell that holds no data: a browser cannot send a
+bearer header on navigation, so the page asks for the admin key, keeps it in `sessionStorage` and
+sends it to the data API (`/dashboard/api/summary`), which refuses anything but the admin key.
+Every asset is served from this package (no CDN), under a CSP that forbids any other origin.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+
+from gateway.api.auth import authenticate
+from gateway.api.deps import ServicesDep
+from gateway.errors import InvalidField, NotFound, PermissionDenied
+from gateway.observability.metrics import Metrics
+from gateway.observability.summary import build_summary, parse_duration
+from gateway.upstream.json import json_response
+
+ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+NO_STORE = {"cache-control": "no-store"}
+
+
+def get_metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+
+
+async def require_admin(request: Request) -> None:
+    """401 without a key, 403 with a tenant's key; open only when the whole gateway is (--no-auth)."""
+    if request.app.state.services.settings.no_auth:
+        return
+    principal = await authenticate(request)
+    if not principal.is_admin:
+        raise PermissionDenied("this route needs the admin key")
+
+
+AdminDep = Annotated[None, Depends(require_admin)]
+
+metrics_router = APIRouter()
+dashboard_router = APIRouter(prefix="/dashboard")
+
+
+@metrics_router.get("/metrics")
+async def metrics_endpoint(request: Request, metrics: MetricsDep) -> Response:
+    if metrics.settings.metrics_require_admin_key:
+        await require_admin(request)
+    return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _asset(name: str) -> bytes:
+    return files("gateway.observability").joinpath("static", name).read_bytes()
+
+
+@dashboard_router.get("")
+async def dashboard_page() -> Response:
+    return Response(_asset("dashboard.html"), media_type="text/html",
+                    headers={"content-security-policy": CSP, **NO_STORE})
+
+
+@dashboard_router.get("/assets/{name}")
+async def dashboard_asset(name: str) -> Response:
+    if name not in ASSETS:
+        raise NotFound("unknown asset")
+    return Response(_asset(name), media_type=ASSETS[name], headers={"cache-control": "no-cache"})
+
+
+@dashboard_router.get("/api/summary")
+async def dashboard_summary(services: ServicesDep, metrics: MetricsDep, _: AdminDep, since: str = "1h") -> Response:
+    try:
+        window = parse_duration(since)
+    except ValueError as exc:
+        raise InvalidField(str(exc), param="since") from exc
+    summary = await build_summary(services.sessions, window, metrics.settings, metrics.price_for)
+    summary["kv_tiers"] = kv_tiers(metrics)
+    summary["upstreams"] = upstreams(metrics)
+    summary["prefix_breaks"] = [
+        {"time": b.created_at, "reason": b.reason, "tenant": b.tenant, "model": b.model, "block_index": b.block_index}
+        for b in reversed(metrics.recent_breaks)
+    ]
+    summary["response_cache"] = services.response_cache.stats() if services.response_cache is not None else None
+    return json_response(summary, headers=NO_STORE)
+
+
+def kv_tiers(metrics: Metrics) -> list[dict[str, Any]]:
+    kv = metrics.live.kv
+    if kv is None:
+        return []
+    block_bytes = kv.layout.block_nbytes if kv.layout is not None else None
+    tiers = []
+    for t in kv.stats().tiers:
+        loads = t.hits + t.misses
+        tiers.append({
+            "name": t.name, "up": t.up, "num_blocks": t.num_blocks, "used_bytes": t.used_bytes,
+            "capacity_bytes": t.capacity_bytes,
+            "occupancy": t.used_bytes / t.capacity_bytes if t.used_bytes is not None and t.capacity_bytes else None,
+            "hits": t.hits, "misses": t.misses, "hit_ratio": t.hits / loads if loads else None,
+            "evictions": t.evictions, "bytes_read": t.bytes_out, "bytes_written": t.bytes_in,
+            "codec_ratio": (t.num_blocks * block_bytes / t.used_bytes
+                            if block_bytes and t.num_blocks and t.used_bytes else None),
+        })
+    return tiers
+
+
+def upstreams(metrics: Metrics) -> list[dict[str, Any]]:
+    router = metrics.live.router
+    if router is None:
+        return []
+    health = getattr(router, "health", None) or {}
+    rows = []
+    for backend in router.backends:
+        state = health.get(backend.name)
+        rows.append({"name": backend.name, "up": state.available() if state is not None else None,
+                     "state": getattr(state, "state", None), "in_flight": getattr(state, "in_flight", None)})
+    return rows

@@ -1,0 +1,24 @@
+"""Settings of metrics, logs and the dashboard (`KVGATE_OBSERVABILITY__*`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class ObservabilitySettings(BaseModel):
+    # Serve Prometheus metrics at /metrics.
+    metrics_enabled: bool = True
+    # /metrics asks for the admin key too (off: scrapers reach it without one, as Prometheus expects).
+    metrics_require_admin_key: bool = False
+    # Serve the dashboard at /dashboard and its data API (admin key only).
+    dashboard_enabled: bool = True
+    # Log lines as JSON objects (one per line) or as plain text.
+    log_format: Literal["json", "text"] = "json"
+    # One log line per finished HTTP request (method, path, status, duration, request id).
+    access_log: bool = True
+    # Most request-log rows one dashboard or `kvgate stats` summary reads (newest first).
+    summary_max_rows: int = Field(default=200_000, gt=0)
+    # Prefix breaks kept in memory for the dashboard's "recent prefix breaks" table.
+    recent_prefix_breaks: int = Field(default=100, gt=0)

@@ -1,0 +1,236 @@
+// kvgate dashboard: reads /dashboard/api/summary with the admin key kept in sessionStorage and
+// draws tiles, SVG line charts and tables. No dependencies; all text goes in through textContent.
+"use strict";
+
+const KEY = "kvgate-admin-key";
+const REFRESH_MS = 10000;
+const SVG = "http://www.w3.org/2000/svg";
+const COLORS = ["#2f6fde", "#e0862b", "#2aa876"];
+let timer = null;
+
+const $ = (id) => document.getElementById(id);
+
+function pct(v) { return v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%"; }
+function num(v) {
+  if (v === null || v === undefined) return "–";
+  if (Math.abs(v) >= 1e9) return (v / 1e9).toFixed(2) + "G";
+  if (Math.abs(v) >= 1e6) return (v / 1e6).toFixed(2) + "M";
+  if (Math.abs(v) >= 1e4) return (v / 1e3).toFixed(1) + "k";
+  return Number.isInteger(v) ? String(v) : v.toFixed(2);
+}
+function bytes(v) {
+  if (v === null || v === undefined) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
+  return v.toFixed(i ? 1 : 0) + " " + units[i];
+}
+function ms(v) { return v === null || v === undefined ? "–" : v.toFixed(v < 10 ? 1 : 0) + " ms"; }
+function usd(v) { return "$" + (v || 0).toFixed(v >= 100 ? 0 : 4); }
+
+function el(tag, text, cls) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (cls) node.className = cls;
+  return node;
+}
+
+function svgEl(tag, attrs) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  return node;
+}
+
+// One line chart: `series` is [{name, values: [number|null]}], `labels` the x labels (ISO times).
+function lineChart(container, labels, series, yMax) {
+  container.replaceChildren();
+  const W = 600, H = 160, L = 40, R = 8, T = 8, B = 20;
+  const svg = svgEl("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img" });
+  let top = yMax;
+  if (top === undefined) {
+    top = 0;
+    for (const s of series) for (const v of s.values) if (v !== null && v > top) top = v;
+    top = top > 0 ? top * 1.15 : 1;
+  }
+  const n = Math.max(labels.length - 1, 1);
+  const x = (i) => L + (i / n) * (W - L - R);
+  const y = (v) => T + (1 - v / top) * (H - T - B);
+  for (const f of [0, 0.5, 1]) {
+    svg.appendChild(svgEl("line", { x1: L, x2: W - R, y1: y(top * f), y2: y(top * f), class: "axis" }));
+    const t = svgEl("text", { x: L - 4, y: y(top * f) + 3, "text-anchor": "end" });
+    t.textContent = yMax === 1 ? Math.round(100 * f) + "%" : num(top * f);
+    svg.appendChild(t);
+  }
+  [0, labels.length - 1].forEach((i, k) => {
+    if (!labels[i]) return;
+    const t = svgEl("text", { x: x(i), y: H - 4, "text-anchor": k ? "end" : "start" });
+    t.textContent = new Date(labels[i]).toLocaleTimeString();
+    svg.appendChild(t);
+  });
+  series.forEach((s, k) => {
+    let d = "";
+    let pen = false;
+    s.values.forEach((v, i) => {
+      if (v === null || v === undefined) { pen = false; return; }
+      d += (pen ? "L" : "M") + x(i).toFixed(1) + " " + y(v).toFixed(1) + " ";
+      pen = true;
+    });
+    const path = svgEl("path", { d: d.trim() || "M0 0", fill: "none", stroke: COLORS[k % COLORS.length],
+                                 "stroke-width": 2, "vector-effect": "non-scaling-stroke", "data-series": s.name });
+    svg.appendChild(path);
+    // Points make single samples visible (a line needs two).
+    s.values.forEach((v, i) => {
+      if (v === null || v === undefined) return;
+      svg.appendChild(svgEl("circle", { cx: x(i), cy: y(v), r: 2, fill: COLORS[k % COLORS.length],
+                                        class: "point", "data-series": s.name }));
+    });
+  });
+  container.appendChild(svg);
+  if (series.length > 1) {
+    const legend = el("div", null, "legend");
+    series.forEach((s, k) => {
+      const item = el("span");
+      const swatch = el("i");
+      swatch.setAttribute("data-color", COLORS[k % COLORS.length]);
+      swatch.style.background = COLORS[k % COLORS.length];
+      item.append(swatch, s.name);
+      legend.appendChild(item);
+    });
+    container.appendChild(legend);
+  }
+}
+
+function table(node, columns, rows) {
+  node.replaceChildren();
+  const head = el("tr");
+  for (const c of columns) head.appendChild(el("th", c[0]));
+  node.appendChild(el("thead")).appendChild(head);
+  const body = node.appendChild(el("tbody"));
+  if (!rows.length) {
+    const tr = body.appendChild(el("tr"));
+    const td = tr.appendChild(el("td", "nothing yet", "empty"));
+    td.colSpan = columns.length;
+    return;
+  }
+  for (const r of rows) {
+    const tr = body.appendChild(el("tr"));
+    for (const c of columns) tr.appendChild(el("td", c[1](r)));
+  }
+}
+
+function tiles(o) {
+  const t = $("tiles");
+  t.replaceChildren();
+  const saved = o.cost_saved_usd.response_cache + o.cost_saved_usd.kv_cache;
+  const items = [
+    ["Requests / s", num(o.requests_per_second), num(o.requests) + " requests, " + num(o.errors) + " errors"],
+    ["Exact hit rate", pct(o.exact_hit_rate), num(o.response_cache_lookups) + " lookups"],
+    ["Semantic hit rate", pct(o.semantic_hit_rate), ""],
+    ["Prefix hit rate", pct(o.prefix_hit_rate), "of prompt tokens sent upstream"],
+    ["Cache efficiency", pct(o.cache_efficiency), "read / (read + creation)"],
+    ["Tokens saved", num(o.tokens_saved.response_cache + o.tokens_saved.kv_cache),
+     num(o.tokens_saved.response_cache) + " response cache, " + num(o.tokens_saved.kv_cache) + " KV"],
+    ["Cost saved", usd(saved), usd(o.cost_saved_usd.response_cache) + " response cache"],
+    ["TTFT p50 / p95 cached", ms(o.ttft_ms.cached.p50) + " / " + ms(o.ttft_ms.cached.p95), ""],
+    ["TTFT p50 / p95 uncached", ms(o.ttft_ms.uncached.p50) + " / " + ms(o.ttft_ms.uncached.p95), ""],
+  ];
+  for (const [label, value, sub] of items) {
+    const tile = el("div", null, "tile");
+    tile.append(el("div", label, "label"), el("div", value, "value"), el("div", sub, "sub"));
+    t.appendChild(tile);
+  }
+}
+
+const GROUP_COLUMNS = [
+  ["requests", (r) => num(r.requests)],
+  ["errors", (r) => num(r.errors)],
+  ["exact hits", (r) => pct(r.exact_hit_rate)],
+  ["semantic hits", (r) => pct(r.semantic_hit_rate)],
+  ["prefix hits", (r) => pct(r.prefix_hit_rate)],
+  ["efficiency", (r) => pct(r.cache_efficiency)],
+  ["prompt tok", (r) => num(r.tokens.prompt)],
+  ["cached tok", (r) => num(r.tokens.cached)],
+  ["completion tok", (r) => num(r.tokens.completion)],
+  ["saved", (r) => usd(r.cost_saved_usd.response_cache + r.cost_saved_usd.kv_cache)],
+  ["TTFT p50", (r) => ms(r.ttft_ms.uncached.p50)],
+];
+
+function render(data) {
+  tiles(data.overview);
+  const pts = data.series.points;
+  const labels = pts.map((p) => p.t);
+  lineChart($("chart-rps"), labels, [{ name: "requests/s", values: pts.map((p) => p.rps) }]);
+  lineChart($("chart-hits"), labels, [
+    { name: "exact", values: pts.map((p) => p.exact_hit_rate) },
+    { name: "semantic", values: pts.map((p) => p.semantic_hit_rate) },
+    { name: "prefix", values: pts.map((p) => p.prefix_hit_rate) },
+  ], 1);
+  lineChart($("chart-efficiency"), labels, [{ name: "efficiency", values: pts.map((p) => p.cache_efficiency) }], 1);
+  table($("table-tenants"), [["tenant", (r) => r.tenant], ...GROUP_COLUMNS], data.tenants);
+  table($("table-models"), [["model", (r) => r.model], ...GROUP_COLUMNS], data.models);
+  table($("table-tiers"), [
+    ["tier", (r) => r.name], ["up", (r) => (r.up ? "yes" : "no")], ["blocks", (r) => num(r.num_blocks)],
+    ["used", (r) => bytes(r.used_bytes)], ["capacity", (r) => bytes(r.capacity_bytes)],
+    ["occupancy", (r) => pct(r.occupancy)], ["hit ratio", (r) => pct(r.hit_ratio)],
+    ["evictions", (r) => num(r.evictions)], ["read", (r) => bytes(r.bytes_read)],
+    ["written", (r) => bytes(r.bytes_written)], ["codec ratio", (r) => (r.codec_ratio ? r.codec_ratio.toFixed(2) + "x" : "–")],
+  ], data.kv_tiers);
+  table($("table-upstreams"), [
+    ["upstream", (r) => r.name], ["up", (r) => (r.up === null ? "–" : r.up ? "yes" : "no")],
+    ["circuit", (r) => r.state || "–"], ["in flight", (r) => num(r.in_flight)],
+  ], data.upstreams);
+  table($("table-breaks"), [
+    ["time", (r) => new Date(r.time * 1000).toLocaleTimeString()], ["reason", (r) => r.reason],
+    ["tenant", (r) => r.tenant], ["model", (r) => r.model || "–"], ["block", (r) => num(r.block_index)],
+  ], data.prefix_breaks);
+  $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+  document.body.setAttribute("data-loaded", "true");
+}
+
+function showLogin(message) {
+  if (timer) { clearTimeout(timer); timer = null; }
+  $("dashboard").hidden = true;
+  $("controls").hidden = true;
+  $("login").hidden = false;
+  $("login-error").textContent = message || "";
+}
+
+async function refresh() {
+  if (timer) { clearTimeout(timer); timer = null; }
+  const key = sessionStorage.getItem(KEY);
+  if (!key) { showLogin(); return; }
+  try {
+    const res = await fetch("/dashboard/api/summary?since=" + encodeURIComponent($("window").value), {
+      headers: { Authorization: "Bearer " + key }, cache: "no-store",
+    });
+    if (res.status === 401 || res.status === 403) {
+      sessionStorage.removeItem(KEY);
+      showLogin(res.status === 401 ? "That key was not accepted." : "That key is not the admin key.");
+      return;
+    }
+    if (!res.ok) throw new Error("HTTP " + res.status);
+    const data = await res.json();
+    $("login").hidden = true;
+    $("dashboard").hidden = false;
+    $("controls").hidden = false;
+    $("error").textContent = "";
+    render(data);
+  } catch (err) {
+    $("error").textContent = "Could not load data: " + err.message;
+  }
+  if (!document.hidden) timer = setTimeout(refresh, REFRESH_MS);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("login-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    sessionStorage.setItem(KEY, $("admin-key").value.trim());
+    $("admin-key").value = "";
+    refresh();
+  });
+  $("logout").addEventListener("click", () => { sessionStorage.removeItem(KEY); showLogin(); });
+  $("window").addEventListener("change", refresh);
+  // A hidden tab stops polling; it catches up when shown again.
+  document.addEventListener("visibilitychange", () => { if (!document.hidden) refresh(); });
+  refresh();
+});

@@ -1,0 +1,90 @@
+"""`kvgate stats [--since 1h] [--json]`: the dashboard's summary in the terminal."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import orjson
+
+from gateway.observability.summary import build_summary, parse_duration
+from gateway.persistence.database import make_engine, make_sessionmaker
+from gateway.settings import Settings
+
+
+def run_stats(settings: Settings, since: str, *, as_json: bool) -> int:
+    try:
+        window = parse_duration(since)
+    except ValueError as exc:
+        print(f"kvgate: --since: {exc}", file=sys.stderr)
+        return 2
+
+    async def run() -> dict[str, Any]:
+        engine = make_engine(settings.database_url)
+        try:
+            return await build_summary(make_sessionmaker(engine), window, settings.observability,
+                                       settings.usage.price_for)
+        finally:
+            await engine.dispose()
+
+    try:
+        summary = asyncio.run(run())
+    except Exception as exc:  # an unreadable database is a user error here, not a traceback
+        print(f"kvgate: cannot read the request log at {settings.database_url}: {exc.__class__.__name__}: {exc}",
+              file=sys.stderr)
+        return 1
+    if as_json:
+        summary.pop("series", None)
+        print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(render_text(summary, since))
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        padded = zip(cells, widths, strict=True)
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(padded))
+
+    return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def render_text(summary: dict[str, Any], since: str) -> str:
+    o = summary["overview"]
+    saved_usd = o["cost_saved_usd"]["response_cache"] + o["cost_saved_usd"]["kv_cache"]
+    saved_tokens = o["tokens_saved"]["response_cache"] + o["tokens_saved"]["kv_cache"]
+    t = o["tokens"]
+    lines = [
+        f"kvgate stats, last {since} ({summary['since']} .. {summary['now']})",
+        "",
+        f"requests            {o['requests']} ({o['requests_per_second']:.3f}/s), {o['errors']} errors",
+        f"exact hit rate      {_pct(o['exact_hit_rate'])} of {o['response_cache_lookups']} response-cache lookups",
+        f"semantic hit rate   {_pct(o['semantic_hit_rate'])}",
+        f"prefix hit rate     {_pct(o['prefix_hit_rate'])} of prompt tokens sent upstream",
+        f"cache efficiency    {_pct(o['cache_efficiency'])} (read / (read + creation))",
+        f"tokens              prompt {t['prompt']}, cached {t['cached']}, cache creation {t['cache_creation']}, "
+        f"completion {t['completion']}",
+        f"saved               {saved_tokens} tokens, ${saved_usd:.4f}",
+        f"TTFT p50 / p95      cached {_ms(o['ttft_ms']['cached']['p50'])} / {_ms(o['ttft_ms']['cached']['p95'])}, "
+        f"uncached {_ms(o['ttft_ms']['uncached']['p50'])} / {_ms(o['ttft_ms']['uncached']['p95'])}",
+    ]
+    if summary.get("truncated"):
+        lines.append("(only the newest rows were read; raise KVGATE_OBSERVABILITY__SUMMARY_MAX_ROWS for all)")
+    headers = ["requests", "errors", "exact", "semantic", "prefix", "efficiency", "TTFT p50"]
+    for title, key in (("tenant", "tenants"), ("model", "models")):
+        rows = [[str(g[title]), str(g["requests"]), str(g["errors"]), _pct(g["exact_hit_rate"]),
+                 _pct(g["semantic_hit_rate"]), _pct(g["prefix_hit_rate"]), _pct(g["cache_efficiency"]),
+                 _ms(g["ttft_ms"]["uncached"]["p50"])] for g in summary[key]]
+        lines += ["", *_table([title, *headers], rows)]
+    return "\n".join(lines)

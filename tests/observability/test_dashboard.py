@@ -1,0 +1,140 @@
+"""The dashboard: refused without the admin key, its data API after real requests, and a real
+headless Chromium that loads the page, signs in and shows what the test just did."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.observability.metrics import Metrics
+from tests.conftest import Gateway
+from tests.observability.conftest import ADMIN, ADMIN_KEY, MODEL, chat, flush_request_log
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def test_data_api_refuses_without_the_admin_key(obs_gateway: Gateway) -> None:
+    url = obs_gateway.base_url + "/dashboard/api/summary"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"authorization": "Bearer not-a-key"}).status_code == 401
+    tenant = httpx.get(url, headers={"authorization": f"Bearer {obs_gateway.api_key}"})
+    assert tenant.status_code == 403
+    assert tenant.json()["error"]["type"] == "permission_error"
+    assert httpx.get(url, headers=ADMIN).status_code == 200
+
+
+def test_page_is_a_shell_without_data(obs_gateway: Gateway) -> None:
+    chat(obs_gateway, "dashboard shell question")
+    page = httpx.get(obs_gateway.base_url + "/dashboard")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert "team-a" not in page.text and "login-form" in page.text
+    for asset in ("dashboard.js", "dashboard.css"):
+        assert httpx.get(obs_gateway.base_url + "/dashboard/assets/" + asset).status_code == 200
+    assert httpx.get(obs_gateway.base_url + "/dashboard/assets/..%2fsettings.py").status_code == 404
+    assert "http" not in page.text.replace("http-equiv", "")  # no CDN: every asset is ours
+
+
+def test_summary_shows_tenants_models_and_hits(obs_gateway: Gateway) -> None:
+    chat(obs_gateway, "summary question about rivers")
+    chat(obs_gateway, "summary question about rivers")
+    flush_request_log(obs_gateway)
+    data = httpx.get(obs_gateway.base_url + "/dashboard/api/summary?since=15m", headers=ADMIN).json()
+    overview = data["overview"]
+    assert overview["requests"] >= 2 and overview["exact_hit_rate"] > 0
+    assert overview["tokens_saved"]["response_cache"] > 0
+    assert overview["ttft_ms"]["cached"]["p50"] is not None
+    assert [t["tenant"] for t in data["tenants"]] == ["team-a"]
+    assert MODEL in [m["model"] for m in data["models"]]
+    assert len(data["series"]["points"]) == 60
+    assert data["upstreams"] == [{"name": "fake", "up": True, "state": "closed", "in_flight": 0}]
+    assert data["kv_tiers"] == [] and data["response_cache"]["entries"] >= 1
+    bad = httpx.get(obs_gateway.base_url + "/dashboard/api/summary?since=soon", headers=ADMIN)
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "since"
+
+
+def test_prefix_breaks_appear_on_dashboard_and_metrics(obs_gateway: Gateway, obs_metrics: Metrics) -> None:
+    obs_metrics.observe_prefix_break("system_prompt_changed", tenant="team-a", model=MODEL,
+                                                  block_index=3)
+    data = httpx.get(obs_gateway.base_url + "/dashboard/api/summary", headers=ADMIN).json()
+    assert data["prefix_breaks"][0]["reason"] == "system_prompt_changed"
+    assert data["prefix_breaks"][0]["block_index"] == 3
+    metrics = httpx.get(obs_gateway.base_url + "/metrics").text
+    assert 'kvgate_prefix_breaks_total{reason="system_prompt_changed"} 1.0' in metrics
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[object]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does)")
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def test_dashboard_in_a_real_browser(obs_gateway: Gateway, chromium: object, repo_root: Path) -> None:
+    chat(obs_gateway, "browser question about volcanoes")
+    chat(obs_gateway, "browser question about volcanoes")
+    chat(obs_gateway, "browser question about glaciers", stream=True)
+    flush_request_log(obs_gateway)
+
+    page = chromium.new_page(viewport={"width": 1400, "height": 1200})  # type: ignore[attr-defined]
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.on("requestfailed", lambda r: problems.append(f"failed: {r.url}"))
+    outside: list[str] = []
+    page.on("request", lambda r: None if r.url.startswith(obs_gateway.base_url) else outside.append(r.url))
+    try:
+        page.goto(obs_gateway.base_url + "/dashboard")
+        page.wait_for_selector("#login-form")
+        assert page.locator("#dashboard").is_hidden()
+
+        page.fill("#admin-key", "wrong-key")
+        page.click("#login-form button")
+        # (no wait_for_function: the page's CSP forbids eval, which it relies on)
+        page.wait_for_selector("#login-error:not(:empty)")
+        problems.clear()  # the browser logs the refused fetch (401) as a console error, as it should
+
+        page.fill("#admin-key", ADMIN_KEY)
+        page.click("#login-form button")
+        page.wait_for_selector("body[data-loaded=true]")
+        assert page.locator("#dashboard").is_visible()
+        assert page.evaluate("sessionStorage.getItem('kvgate-admin-key')") == ADMIN_KEY
+
+        tenants = page.inner_text("#table-tenants")
+        assert "team-a" in tenants
+        assert MODEL in page.inner_text("#table-models")
+        assert "fake" in page.inner_text("#table-upstreams")
+        tiles = page.inner_text("#tiles")
+        assert "Exact hit rate" in tiles and "Cache efficiency" in tiles
+        # Charts: an SVG per chart, with points for the requests just made.
+        for chart in ("chart-rps", "chart-hits", "chart-efficiency"):
+            assert page.locator(f"#{chart} svg").count() == 1
+        assert page.locator("#chart-rps circle.point").count() >= 1
+        assert page.locator("#chart-hits path[data-series=exact]").count() == 1
+        assert page.locator("#chart-hits circle.point[data-series=exact]").count() >= 1
+
+        artifacts = repo_root / "tests" / "artifacts"
+        artifacts.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
+        assert (artifacts / "dashboard.png").stat().st_size > 10_000
+        assert problems == []
+        assert outside == []
+        assert obs_gateway.api_key not in page.content()
+    finally:
+        page.close()
+
+
+def test_chromium_is_debians(chromium: object) -> None:
+    assert shutil.which("chromium") == CHROMIUM
