@@ -2,34 +2,53 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from gateway.api import health, openai
+from gateway.api import admin, health, openai
+from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
+from gateway.observability.install import attach_observability, install_observability
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
-from gateway.persistence.keys import KeyStore
+from gateway.persistence.keys import KeyStore, create_first_key
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.proxy import Proxy
+from gateway.responsecache.cache import open_response_cache
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.upstream.backend import Backend
 from gateway.upstream.http import HttpBackend
 from gateway.upstream.router import Router
+from gateway.usage.accounting import Accountant
+
+if TYPE_CHECKING:
+    from gateway.engine.service import Engine
 
 log = logging.getLogger("kvgate")
 
 
-def build_router(settings: Settings) -> Router:
+async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
+    """The configured upstreams; with none, the built-in engine in-process (the embedded default)."""
     backends: list[Backend] = [HttpBackend(upstream) for upstream in settings.upstreams]
-    router = Router(backends, connect_retries=max((u.connect_retries for u in settings.upstreams), default=1))
-    for upstream, backend in zip(settings.upstreams, backends, strict=True):
+    engine = None
+    if not backends:
+        # Imported here: torch and transformers cost seconds to import, and a gateway that only
+        # fronts remote upstreams never needs them.
+        from gateway.engine.service import build_engine
+
+        engine = await asyncio.to_thread(build_engine, settings.engine, settings.kvcache)
+        backends.append(engine.backend)
+    router = Router(backends, settings.routing)
+    for upstream, backend in zip(settings.upstreams, backends, strict=False):
         if upstream.models:
             router.configure_models(backend, upstream.models)
-    return router
+    return router, engine
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -44,10 +63,24 @@ def create_app(settings: Settings) -> FastAPI:
         sessions = make_sessionmaker(db)
         request_log = RequestLogWriter(sessions, batch_size=settings.request_log_batch)
         request_log.start()
-        router = build_router(settings)
+        router, engine = await build_router(settings)
+        attach_observability(app, request_log=request_log, router=router, engine=engine)
         await router.discover()
+        router.start_health_checks()
+        response_cache = await open_response_cache(settings.responsecache, sessions)
         if settings.no_auth:
             log.warning("AUTH IS OFF: every request is served as tenant 'anonymous' (loopback only)")
+        elif settings.admin_key is None and (first_key := await create_first_key(sessions)):
+            # Printed to the console once, never logged: a fresh install is usable without a
+            # separate `kvgate keys create`.
+            print(f"kvgate: no API keys existed; created one for tenant 'default' (shown once): {first_key}",
+                  file=sys.stderr, flush=True)
+        metrics = getattr(app.state, "metrics", None)
+
+        def on_break(reason: str, tenant: str, model: str | None) -> None:
+            if metrics is not None:
+                metrics.observe_prefix_break(reason, tenant=tenant, model=model)
+
         app.state.services = Services(
             settings=settings,
             db=db,
@@ -55,17 +88,26 @@ def create_app(settings: Settings) -> FastAPI:
             keys=KeyStore(sessions, settings.admin_key, settings.key_cache_ttl_s),
             request_log=request_log,
             router=router,
-            proxy=Proxy(router, request_log),
+            proxy=Proxy(router, request_log, response_cache,
+                        preparer=Preparer(settings.canonical, settings.routing, on_break=on_break),
+                        accountant=Accountant(settings.usage.prices)),
+            response_cache=response_cache,
         )
         try:
             yield
         finally:
+            if response_cache is not None:
+                await response_cache.stop()
             await router.aclose()
+            if engine is not None:
+                engine.close()
             await request_log.stop()
             await db.dispose()
 
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    install_observability(app, settings)
     app.include_router(openai.router)
     app.include_router(health.router)
+    app.include_router(admin.router)
     return app

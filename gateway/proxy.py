@@ -7,19 +7,26 @@ ARCHITECTURE.md's request diagram.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from starlette.responses import Response, StreamingResponse
 
+from gateway.canonical.prepare import Prepared, Preparer
 from gateway.errors import GatewayError
 from gateway.persistence.keys import Principal
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
+from gateway.responsecache.cache import Lookup, ResponseCache
+from gateway.responsecache.controls import CacheControls
+from gateway.responsecache.replay import assemble_stream
 from gateway.upstream.backend import Backend, JSONObject
 from gateway.upstream.relay import StreamOutcome, relay_stream
 from gateway.upstream.router import Router
+from gateway.usage.accounting import Accountant
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -36,49 +43,108 @@ class Call:
     body: JSONObject
     stream: bool = False
     include_usage: bool = False
+    # Set on routes the response cache serves (chat completions).
+    cache: CacheControls | None = None
+    session: str | None = None  # x-kvgate-session: names the session for prefix-break diagnostics
 
 
 class Proxy:
-    def __init__(self, router: Router, request_log: RequestLogWriter) -> None:
+    def __init__(self, router: Router, request_log: RequestLogWriter,
+                 response_cache: ResponseCache | None = None, preparer: Preparer | None = None,
+                 accountant: Accountant | None = None) -> None:
         self._router = router
         self._log = request_log
+        self._cache = response_cache
+        self._preparer = preparer
+        self._accountant = accountant or Accountant({})
+
+    def _prepare(self, call: Call) -> Prepared:
+        """Canonical body, prefix-break diagnostics and prefix blocks (chat and completions)."""
+        if self._preparer is None or call.route == "embeddings":
+            return Prepared(call.body)
+        prepared = self._preparer.prepare(call.principal.tenant, call.body, chat=call.route == "chat.completions",
+                                          session=call.session)
+        call.body = prepared.body
+        return prepared
 
     async def forward(self, call: Call) -> Response:
         started = time.perf_counter()
+        prepared = self._prepare(call)
+        lookup: Lookup | None = None
+        if self._cache is not None and call.cache is not None:
+            lookup = await self._cache.lookup(call.principal.tenant, call.body, call.cache)
+            if lookup.answer is not None:
+                self._record(call, started, status=200, usage=lookup.hit_usage, ttfb_s=time.perf_counter(),
+                             cache=lookup.status)
+                response = self._cache.replay(lookup, stream=call.stream, include_usage=call.include_usage,
+                                              request_id=call.request_id)
+                response.headers.update(prepared.headers)
+                return response
+        cache_status = lookup.status if lookup else None
         try:
             if call.stream:
-                return await self._forward_stream(call, started)
-            result, backend = await self._router.call(
-                call.model, lambda b: b.post_json(call.path, call.body)
+                return await self._forward_stream(call, started, prepared, lookup)
+            result, route = await self._router.call(
+                call.model, lambda b: b.post_json(call.path, call.body, salt=tenant_salt(call.principal.tenant)),
+                blocks=prepared.blocks,
             )
+            self._router.release(route)
+            backend = route.backend
         except GatewayError as exc:
-            self._record(call, started, status=exc.status_code, error=exc)
+            self._record(call, started, status=exc.status_code, error=exc, cache=cache_status)
             raise
+        ttfb = time.perf_counter()
+        headers = {"x-request-id": call.request_id, **prepared.headers}
+        raw = result.raw
         usage = result.body.get("usage")
-        self._record(call, started, status=200, backend=backend, usage=usage, ttfb_s=time.perf_counter())
-        return Response(result.raw, media_type="application/json", headers={"x-request-id": call.request_id})
+        if call.route != "embeddings" and isinstance(usage, dict):
+            usage, accounted = self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)
+            raw = orjson.dumps({**result.body, "usage": usage})
+            headers["x-kvgate-usage-source"] = accounted.source
+        self._record(call, started, status=200, backend=backend, usage=usage, ttfb_s=ttfb, cache=cache_status)
+        if lookup is not None and self._cache is not None:
+            self._cache.store_later(lookup, result.body)
+            headers.update(lookup.headers)
+        return Response(raw, media_type="application/json", headers=headers)
 
-    async def _forward_stream(self, call: Call, started: float) -> Response:
+    async def _forward_stream(self, call: Call, started: float, prepared: Prepared,
+                              lookup: Lookup | None = None) -> Response:
         def open_on(backend: Backend) -> Any:
-            return backend.post_stream(call.path, _stream_body(call, backend))
+            return backend.post_stream(call.path, _stream_body(call, backend), salt=tenant_salt(call.principal.tenant))
 
-        stream, backend = await self._router.call(call.model, open_on)
+        stream, route = await self._router.call(call.model, open_on, blocks=prepared.blocks)
+        backend = route.backend
+
+        def annotate(usage: dict[str, Any]) -> dict[str, Any]:
+            return self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)[0]
+
         outcome = StreamOutcome(started_s=started)
+        storing = lookup is not None and self._cache is not None and lookup.controls.write
+        if storing:
+            outcome.chunks = []
         drop_usage = not call.include_usage
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                async for event in relay_stream(stream, outcome, drop_usage_chunk=drop_usage):
+                async for event in relay_stream(stream, outcome, drop_usage_chunk=drop_usage,
+                                                annotate_usage=annotate):
                     yield event
             finally:
                 error = outcome.error
                 status = error.status_code if error else (200 if outcome.completed else 499)
+                self._router.release(route, ok=True if status == 200 else (None if status == 499 else False))
+                usage = annotate(outcome.usage) if outcome.usage is not None else None
                 self._record(
-                    call, started, status=status, backend=backend, usage=outcome.usage,
-                    ttfb_s=outcome.first_byte_s, error=error,
+                    call, started, status=status, backend=backend, usage=usage,
+                    ttfb_s=outcome.first_byte_s, error=error, cache=lookup.status if lookup else None,
                 )
+                # Only a stream that reached [DONE] without an error is an answer worth keeping.
+                if storing and outcome.completed and error is None and lookup and self._cache:
+                    self._cache.store_later(lookup, assemble_stream(outcome.chunks or [], outcome.usage))
 
-        headers = {**SSE_HEADERS, "x-request-id": call.request_id}
+        headers = {**SSE_HEADERS, "x-request-id": call.request_id, **prepared.headers,
+                   "x-kvgate-usage-source": self._accountant.source_for(backend.name),
+                   **(lookup.headers if lookup else {})}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     def _record(
@@ -91,6 +157,7 @@ class Proxy:
         usage: dict[str, Any] | None = None,
         ttfb_s: float | None = None,
         error: GatewayError | None = None,
+        cache: str | None = None,
     ) -> None:
         now = time.perf_counter()
         usage = usage if isinstance(usage, dict) else {}
@@ -111,6 +178,8 @@ class Proxy:
                 ttfb_ms=(ttfb_s - started) * 1000 if ttfb_s else None,
                 total_ms=(now - started) * 1000,
                 error_type=(error.code or error.error_type) if error else None,
+                cache=cache,
+                cache_creation_tokens=_int_or_none(usage.get("cache_creation_input_tokens")),
             )
         )
 
@@ -124,6 +193,12 @@ def _stream_body(call: Call, backend: Backend) -> JSONObject:
     options = dict(options) if isinstance(options, dict) else {}
     options["include_usage"] = True
     return {**call.body, "stream_options": options}
+
+
+def tenant_salt(tenant: str) -> str:
+    """The tenant's KV-cache salt: distinct per tenant, and not the tenant's name, since it may be
+    sent to an engine upstream."""
+    return hashlib.sha256(b"kvgate-kv-tenant:" + tenant.encode()).hexdigest()[:32]
 
 
 def _int_or_none(value: object) -> int | None:

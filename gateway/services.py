@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from gateway.persistence.keys import KeyStore
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.proxy import Proxy
+from gateway.responsecache.cache import ResponseCache
 from gateway.settings import Settings
 from gateway.upstream.router import Router
 
@@ -22,3 +23,4 @@ class Services:
     request_log: RequestLogWriter
     router: Router
     proxy: Proxy
+    response_cache: ResponseCache | None = None

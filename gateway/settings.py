@@ -14,6 +14,14 @@ from typing import Annotated
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from gateway.canonical.settings import CanonicalSettings
+from gateway.engine.settings import EngineSettings
+from gateway.kvcache.settings import KVCacheSettings
+from gateway.observability.settings import ObservabilitySettings
+from gateway.responsecache.settings import ResponseCacheSettings
+from gateway.upstream.settings import RoutingSettings
+from gateway.usage.settings import UsageSettings
+
 
 class UpstreamSettings(BaseModel):
     """One OpenAI-compatible backend kvgate forwards to."""
@@ -24,8 +32,9 @@ class UpstreamSettings(BaseModel):
     models: list[str] = Field(default_factory=list)
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
-    connect_retries: int = 1
     inject_stream_usage: bool = True
+    # A kvgate engine (`kvgate engine`): send it the tenant's KV salt so tenants keep separate blocks.
+    send_cache_salt: bool = False
 
     @field_validator("base_url")
     @classmethod
@@ -65,6 +74,13 @@ class Settings(BaseSettings):
     log_prompts: bool = False
     request_log_batch: int = Field(default=256, gt=0)
     key_cache_ttl_s: float = 30.0
+    canonical: CanonicalSettings = Field(default_factory=CanonicalSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    usage: UsageSettings = Field(default_factory=UsageSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    kvcache: KVCacheSettings = Field(default_factory=KVCacheSettings)
+    responsecache: ResponseCacheSettings = Field(default_factory=ResponseCacheSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
 
     @field_validator("upstream", mode="before")
     @classmethod

@@ -10,6 +10,7 @@ from starlette.responses import Response
 from gateway.api.body import read_json, validate
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.proxy import Call
+from gateway.responsecache.controls import read_controls
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.upstream.backend import JSONObject
 from gateway.upstream.json import json_response
@@ -27,11 +28,13 @@ def request_id(request: Request) -> str:
 @router.post("/chat/completions")
 async def chat_completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
+    controls = read_controls(request.headers, body)
     parsed = validate(ChatCompletionRequest, body)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     call = Call(
         request_id(request), principal, "chat.completions", "/chat/completions", parsed.model, body,
-        stream=parsed.stream, include_usage=include_usage,
+        stream=parsed.stream, include_usage=include_usage, cache=controls,
+        session=request.headers.get("x-kvgate-session"),
     )
     return await services.proxy.forward(call)
 
@@ -43,7 +46,7 @@ async def completions(request: Request, services: ServicesDep, principal: Princi
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     call = Call(
         request_id(request), principal, "completions", "/completions", parsed.model, body,
-        stream=parsed.stream, include_usage=include_usage,
+        stream=parsed.stream, include_usage=include_usage, session=request.headers.get("x-kvgate-session"),
     )
     return await services.proxy.forward(call)
 

@@ -71,3 +71,12 @@ class KeyStore:
             self._cache.clear()
         self._cache[digest] = (principal, now + self._ttl_s)
         return principal
+
+
+async def create_first_key(sessions: async_sessionmaker, tenant_name: str = "default") -> str | None:
+    """On a database with no keys at all, create one so that a fresh install is usable at once;
+    None when keys exist already."""
+    async with sessions() as session:
+        if await session.scalar(select(ApiKey.id).limit(1)) is not None:
+            return None
+    return await create_key(sessions, tenant_name)

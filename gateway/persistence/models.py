@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -53,6 +53,48 @@ class RequestLog(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    # Prompt tokens written to a KV cache (`usage.cache_creation_input_tokens`); null when not reported.
+    cache_creation_tokens: Mapped[int | None] = mapped_column(Integer)
     ttfb_ms: Mapped[float | None] = mapped_column(Float)
     total_ms: Mapped[float] = mapped_column(Float)
     error_type: Mapped[str | None] = mapped_column(String(64))
+    # Which response cache answered: hit-exact, hit-semantic, miss, bypass; null when not cacheable.
+    cache: Mapped[str | None] = mapped_column(String(16))
+
+
+class ResponseCacheEntry(Base):
+    """One cached answer. `exact_key` and `partition` are SHA-256 digests (responsecache/keys.py);
+    `partition`, `query` and `embedding` are null for answers only the exact cache may serve."""
+
+    __tablename__ = "response_cache"
+    __table_args__ = (
+        Index("ix_response_cache_exact_key", "exact_key"),
+        Index("ix_response_cache_expires_at", "expires_at"),
+        Index("ix_response_cache_scope", "tenant", "namespace", "model"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    namespace: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(256))
+    exact_key: Mapped[str] = mapped_column(String(64))
+    partition: Mapped[str | None] = mapped_column(String(64))
+    query: Mapped[str | None] = mapped_column(Text)
+    embedding: Mapped[bytes | None] = mapped_column(LargeBinary)
+    answer: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    hit_count: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class ResponseCachePurge(Base):
+    """An admin purge, kept so that every replica can drop the same entries from memory: replicas
+    read new purges by id, the way they read new entries. A null column matches everything."""
+
+    __tablename__ = "response_cache_purges"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    tenant: Mapped[str | None] = mapped_column(String(128))
+    namespace: Mapped[str | None] = mapped_column(String(128))
+    model: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 
@@ -37,6 +38,8 @@ class RequestRecord:
     cached_tokens: int | None = None
     ttfb_ms: float | None = None
     error_type: str | None = None
+    cache: str | None = None
+    cache_creation_tokens: int | None = None
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -53,8 +56,12 @@ class RequestLogWriter:
         self.num_dropped = 0
         self.num_written = 0
         self._busy = False
+        # Called with every recorded row, on the request path (metrics): must be cheap, never raise.
+        self.observers: list[Callable[[RequestRecord], None]] = []
 
     def record(self, row: RequestRecord) -> None:
+        for observe in self.observers:
+            observe(row)
         try:
             self._queue.put_nowait(row)
         except asyncio.QueueFull:

@@ -45,10 +45,29 @@ def serving(args: list[str], cwd: Path, port: int, **env: str) -> Iterator[subpr
         proc.wait(timeout=30)
 
 
-def test_serve_without_upstream_explains_in_one_line(tmp_path: Path) -> None:
-    result = run(["serve"], tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "--upstream NAME=BASE_URL" in result.stderr
+def test_serve_on_embedded_defaults_answers_with_the_engine(tmp_path: Path) -> None:
+    """The README's first command: no upstream, no key, a fresh directory. kvgate runs the built-in
+    engine, creates a first key and prints it once, and answers the demo question."""
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    proc = subprocess.Popen(KVGATE + ["serve", "--port", str(port)], cwd=tmp_path, env=clean,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        key = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "shown once" in line:
+                key = line.rsplit(" ", 1)[1].strip()
+            if "Uvicorn running" in line or "Application startup complete" in line:
+                break
+        assert key and key.startswith("kvg-")
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        reply = sdk.chat.completions.create(model="smollm2-135m-instruct", max_tokens=16,
+                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in (reply.choices[0].message.content or "")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_no_auth_refused_off_loopback(tmp_path: Path) -> None:

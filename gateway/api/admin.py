@@ -1,0 +1,45 @@
+"""Admin routes (admin key only): purge the response cache and see what it holds."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from gateway.api.body import read_json
+from gateway.api.deps import PrincipalDep, ServicesDep
+from gateway.errors import InvalidField, NotFound, PermissionDenied
+from gateway.persistence.keys import Principal
+from gateway.responsecache.cache import ResponseCache
+from gateway.responsecache.store import PurgeFilter
+from gateway.services import Services
+from gateway.upstream.json import json_response
+
+router = APIRouter(prefix="/admin")
+
+
+def _cache(services: Services, principal: Principal) -> ResponseCache:
+    if not principal.is_admin:
+        raise PermissionDenied("this route needs the admin key")
+    if services.response_cache is None:
+        raise NotFound("the response cache is off", code="response_cache_off")
+    return services.response_cache
+
+
+@router.post("/response-cache/purge")
+async def purge(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+    """Body: any of `tenant`, `namespace`, `model` (all given must match), or `{"all": true}`."""
+    cache = _cache(services, principal)
+    body = await read_json(request, services.settings.max_body_bytes)
+    fields = {k: body.get(k) for k in ("tenant", "namespace", "model") if body.get(k) is not None}
+    for name, value in fields.items():
+        if not isinstance(value, str) or not value:
+            raise InvalidField(f"{name}: expected a non-empty string", param=name)
+    if not fields and body.get("all") is not True:
+        raise InvalidField("give tenant, namespace and/or model, or {\"all\": true} to purge everything")
+    deleted = await cache.purge(PurgeFilter(**fields))
+    return json_response({"deleted": deleted, **fields})
+
+
+@router.get("/response-cache/stats")
+async def stats(services: ServicesDep, principal: PrincipalDep) -> Response:
+    return json_response(_cache(services, principal).stats())

@@ -1,0 +1,91 @@
+"""Per-request cache controls, from headers or from an optional `kvgate` body object.
+
+    Cache-Control: no-cache        do not read the caches
+    Cache-Control: no-store        do not write the caches
+    x-kvgate-cache-namespace: NS   a separate cache space within the tenant
+    x-kvgate-cache-ttl: SECONDS    lifetime of the entry this request stores
+    x-kvgate-semantic: off         exact cache only
+
+The body form is for clients that cannot set headers:
+`{"kvgate": {"cache": {"no_cache": true, "no_store": true, "namespace": "NS", "ttl": 60,
+"semantic": false}}}`. It is removed from the body, so the upstream never sees it. A header wins
+over the body when both are given.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import InvalidField
+
+DEFAULT_NAMESPACE = "default"
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
+
+
+@dataclass(slots=True, frozen=True)
+class CacheControls:
+    read: bool = True
+    write: bool = True
+    semantic: bool = True
+    namespace: str = DEFAULT_NAMESPACE
+    ttl_s: float | None = None
+
+
+def _flag(value: object, param: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in {"on", "true", "1", "off", "false", "0"}:
+        return value.lower() in {"on", "true", "1"}
+    raise InvalidField(f"{param}: expected a boolean or on/off", param=param)
+
+
+def _namespace(value: object, param: str) -> str:
+    if not isinstance(value, str) or not _NAMESPACE.match(value):
+        raise InvalidField(f"{param}: 1-128 characters of A-Z a-z 0-9 _ . : / -", param=param)
+    return value
+
+
+def _ttl(value: object, param: str) -> float:
+    try:
+        ttl = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        ttl = math.nan
+    if isinstance(value, bool) or not math.isfinite(ttl) or ttl <= 0:
+        raise InvalidField(f"{param}: expected a positive number of seconds", param=param)
+    return ttl
+
+
+def read_controls(headers: Mapping[str, str], body: dict[str, Any]) -> CacheControls:
+    """Parse the controls, and pop the `kvgate` object from `body`."""
+    extension = body.pop("kvgate", None)
+    options: dict[str, Any] = {}
+    if extension is not None:
+        cache = extension.get("cache") if isinstance(extension, dict) else None
+        if not isinstance(cache, dict):
+            raise InvalidField("kvgate: expected {\"cache\": {...}}", param="kvgate")
+        unknown = set(cache) - {"no_cache", "no_store", "namespace", "ttl", "semantic"}
+        if unknown:
+            raise InvalidField(f"kvgate.cache: unknown option {sorted(unknown)[0]!r}", param="kvgate.cache")
+        options = cache
+    read = not _flag(options.get("no_cache", False), "kvgate.cache.no_cache")
+    write = not _flag(options.get("no_store", False), "kvgate.cache.no_store")
+    semantic = _flag(options.get("semantic", True), "kvgate.cache.semantic")
+    namespace = _namespace(options.get("namespace", DEFAULT_NAMESPACE), "kvgate.cache.namespace")
+    ttl = _ttl(options["ttl"], "kvgate.cache.ttl") if "ttl" in options else None
+
+    directives = {d.strip().lower() for d in headers.get("cache-control", "").split(",") if d.strip()}
+    if "no-cache" in directives:
+        read = False
+    if "no-store" in directives:
+        write = False
+    if (value := headers.get("x-kvgate-semantic")) is not None:
+        semantic = _flag(value.strip(), "x-kvgate-semantic")
+    if (value := headers.get("x-kvgate-cache-namespace")) is not None:
+        namespace = _namespace(value.strip(), "x-kvgate-cache-namespace")
+    if (value := headers.get("x-kvgate-cache-ttl")) is not None:
+        ttl = _ttl(value.strip(), "x-kvgate-cache-ttl")
+    return CacheControls(read=read, write=write, semantic=semantic, namespace=namespace, ttl_s=ttl)

@@ -1,0 +1,36 @@
+"""Settings of the response caches, nested in the gateway's settings as `settings.responsecache`
+(env `KVGATE_RESPONSECACHE__<FIELD>`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, field_validator
+
+
+class ResponseCacheSettings(BaseModel):
+    """Every knob of `gateway/responsecache`; one line of description each."""
+
+    enabled: bool = Field(default=True, description="Answer repeated chat requests from the exact cache.")
+    semantic: bool = Field(default=True, description="Also answer paraphrased questions from the semantic cache.")
+    default_ttl_s: float = Field(default=86400.0, gt=0, description="Lifetime of an entry unless a request sets one.")
+    max_ttl_s: float = Field(default=30 * 86400.0, gt=0, description="Upper bound of a per-request TTL.")
+    memory_entries: int = Field(default=10_000, ge=0, description="Answers kept in memory in front of SQL (LRU).")
+    target_false_hit_rate: float = Field(
+        default=0.01, gt=0, lt=1,
+        description="Semantic operating point: share of lookups allowed to get a wrong answer (calibrated on QQP).",
+    )
+    min_query_words: int = Field(default=3, ge=1, description="Last user turns with fewer words never match.")
+    default_temperature: float = Field(
+        default=1.0, ge=0, description="Temperature assumed for a request that sets none (OpenAI's default is 1)."
+    )
+    temperature_tenants: list[str] = Field(
+        default_factory=list, description="Tenants whose temperature > 0 requests may get semantic hits."
+    )
+    redis_url: str | None = Field(default=None, description="Redis for the change feed between replicas; unset = DB.")
+    redis_channel: str = Field(default="kvgate:responsecache", description="Redis pub/sub channel of the feed.")
+    poll_interval_s: float = Field(default=0.25, gt=0, description="How often a replica reads new entries from SQL.")
+    max_answer_bytes: int = Field(default=1 << 20, gt=0, description="Larger answers are not stored.")
+
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value

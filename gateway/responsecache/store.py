@@ -1,0 +1,161 @@
+"""SQL side of the response cache: the source of truth every replica reads and writes.
+
+Entries are only ever inserted or deleted, never updated (except the hit counter), so a replica
+can follow the table by id. Purges are rows of their own for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.persistence.models import ResponseCacheEntry, ResponseCachePurge
+from gateway.responsecache.keys import ExactKey, PartitionKey
+
+
+@dataclass(slots=True)
+class EntryMeta:
+    """What a replica keeps in memory for every live entry; the answer itself is loaded on a hit."""
+
+    id: int
+    tenant: str
+    namespace: str
+    model: str
+    exact_key: ExactKey
+    partition: PartitionKey | None
+    query: str | None
+    embedding: np.ndarray | None
+    expires_at: float
+
+
+@dataclass(slots=True, frozen=True)
+class PurgeFilter:
+    """None matches every value."""
+
+    tenant: str | None = None
+    namespace: str | None = None
+    model: str | None = None
+
+    def matches(self, meta: EntryMeta) -> bool:
+        return ((self.tenant is None or meta.tenant == self.tenant)
+                and (self.namespace is None or meta.namespace == self.namespace)
+                and (self.model is None or meta.model == self.model))
+
+
+_META_COLUMNS = (
+    ResponseCacheEntry.id, ResponseCacheEntry.tenant, ResponseCacheEntry.namespace, ResponseCacheEntry.model,
+    ResponseCacheEntry.exact_key, ResponseCacheEntry.partition, ResponseCacheEntry.query,
+    ResponseCacheEntry.embedding, ResponseCacheEntry.expires_at,
+)
+
+
+def _epoch(moment: datetime) -> float:
+    # SQLite hands back naive datetimes; they were written in UTC.
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+def _meta(row: tuple) -> EntryMeta:
+    vector = np.frombuffer(row[7], dtype=np.float32) if row[7] is not None else None
+    return EntryMeta(row[0], row[1], row[2], row[3], ExactKey(row[4]),
+                     PartitionKey(row[5]) if row[5] else None, row[6], vector, _epoch(row[8]))
+
+
+class EntryStore:
+    def __init__(self, sessions: async_sessionmaker) -> None:
+        self._sessions = sessions
+
+    async def insert(self, meta: EntryMeta, answer: bytes) -> int:
+        values = {
+            "tenant": meta.tenant, "namespace": meta.namespace, "model": meta.model,
+            "exact_key": meta.exact_key, "partition": meta.partition, "query": meta.query,
+            "embedding": meta.embedding.astype(np.float32).tobytes() if meta.embedding is not None else None,
+            "answer": answer, "created_at": datetime.now(UTC),
+            "expires_at": datetime.fromtimestamp(meta.expires_at, UTC), "hit_count": 0,
+        }
+        async with self._sessions() as session, session.begin():
+            result = await session.execute(insert(ResponseCacheEntry).values(**values).returning(ResponseCacheEntry.id))
+            return int(result.scalar_one())
+
+    async def answer(self, entry_id: int) -> bytes | None:
+        async with self._sessions() as session:
+            found = await session.scalar(select(ResponseCacheEntry.answer).where(ResponseCacheEntry.id == entry_id))
+            return bytes(found) if found is not None else None
+
+    async def count_live(self) -> int:
+        async with self._sessions() as session:
+            count = await session.scalar(select(func.count()).select_from(ResponseCacheEntry)
+                                         .where(ResponseCacheEntry.expires_at > datetime.now(UTC)))
+            return int(count or 0)
+
+    async def live(self, batch: int = 2000) -> AsyncIterator[list[EntryMeta]]:
+        """Every unexpired entry, in id order, in batches (the start-up rebuild)."""
+        last = 0
+        while True:
+            async with self._sessions() as session:
+                rows = (await session.execute(
+                    select(*_META_COLUMNS)
+                    .where(ResponseCacheEntry.id > last, ResponseCacheEntry.expires_at > datetime.now(UTC))
+                    .order_by(ResponseCacheEntry.id).limit(batch)
+                )).all()
+            if not rows:
+                return
+            last = rows[-1][0]
+            yield [_meta(tuple(row)) for row in rows]
+
+    async def recent_ids(self, above: int) -> list[int]:
+        async with self._sessions() as session:
+            found = await session.scalars(select(ResponseCacheEntry.id).where(ResponseCacheEntry.id > above))
+            return list(found)
+
+    async def metas(self, ids: list[int]) -> list[EntryMeta]:
+        async with self._sessions() as session:
+            rows = (await session.execute(select(*_META_COLUMNS).where(ResponseCacheEntry.id.in_(ids)))).all()
+        return [_meta(tuple(row)) for row in rows]
+
+    async def max_id(self) -> int:
+        async with self._sessions() as session:
+            return int(await session.scalar(select(func.max(ResponseCacheEntry.id))) or 0)
+
+    async def add_hits(self, hits: dict[int, int]) -> None:
+        async with self._sessions() as session, session.begin():
+            for entry_id, count in hits.items():
+                await session.execute(update(ResponseCacheEntry).where(ResponseCacheEntry.id == entry_id)
+                                      .values(hit_count=ResponseCacheEntry.hit_count + count))
+
+    async def delete_expired(self) -> int:
+        async with self._sessions() as session, session.begin():
+            result = await session.execute(delete(ResponseCacheEntry)
+                                           .where(ResponseCacheEntry.expires_at <= datetime.now(UTC)))
+            return int(result.rowcount or 0)
+
+    async def purge(self, scope: PurgeFilter) -> tuple[int, int]:
+        """Delete matching entries and record the purge; returns (purge id, entries deleted)."""
+        statement = delete(ResponseCacheEntry)
+        scoped = ((ResponseCacheEntry.tenant, scope.tenant), (ResponseCacheEntry.namespace, scope.namespace),
+                  (ResponseCacheEntry.model, scope.model))
+        for column, value in scoped:
+            if value is not None:
+                statement = statement.where(column == value)
+        async with self._sessions() as session, session.begin():
+            deleted = await session.execute(statement)
+            purge = await session.execute(insert(ResponseCachePurge).values(
+                tenant=scope.tenant, namespace=scope.namespace, model=scope.model, created_at=datetime.now(UTC),
+            ).returning(ResponseCachePurge.id))
+            return int(purge.scalar_one()), int(deleted.rowcount or 0)
+
+    async def purges_since(self, above: int) -> list[tuple[int, PurgeFilter]]:
+        async with self._sessions() as session:
+            rows = (await session.execute(
+                select(ResponseCachePurge.id, ResponseCachePurge.tenant, ResponseCachePurge.namespace,
+                       ResponseCachePurge.model).where(ResponseCachePurge.id > above).order_by(ResponseCachePurge.id)
+            )).all()
+        return [(row[0], PurgeFilter(row[1], row[2], row[3])) for row in rows]
+
+    async def max_purge_id(self) -> int:
+        async with self._sessions() as session:
+            return int(await session.scalar(select(func.max(ResponseCachePurge.id))) or 0)

@@ -1,0 +1,135 @@
+"""The pure parts: keys, controls, replay, the verifier's vetoes."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.errors import InvalidField
+from gateway.responsecache.controls import read_controls
+from gateway.responsecache.keys import exact_key, is_trivial, last_user_text, partition_key
+from gateway.responsecache.replay import assemble_stream, is_complete, replay_json, replay_sse
+from gateway.responsecache.verifier import hard_negative, threshold_for
+from gateway.upstream.sse import SSESplitter, event_data
+
+BODY = {"model": "m", "temperature": 0, "messages": [{"role": "system", "content": "be brief"},
+                                                    {"role": "user", "content": "What is the capital of France?"}]}
+
+
+def test_exact_key_is_canonical_and_scoped() -> None:
+    reordered = {"messages": BODY["messages"], "temperature": 0, "model": "m", "stream": True, "user": "u1"}
+    assert exact_key("t", "default", BODY) == exact_key("t", "default", reordered)
+    assert exact_key("t", "default", BODY) != exact_key("t2", "default", BODY)
+    assert exact_key("t", "default", BODY) != exact_key("t", "other", BODY)
+    for change in ({"temperature": 0.5}, {"seed": 1}, {"tools": [{"type": "function"}]}, {"response_format": {}},
+                   {"tool_choice": "none"}, {"top_p": 0.5}, {"vendor_knob": 1}):
+        assert exact_key("t", "default", BODY) != exact_key("t", "default", {**BODY, **change}), change
+    assert len(exact_key("t", "default", BODY)) == 64
+
+
+def test_partition_ignores_only_the_last_user_turn() -> None:
+    other_question = {**BODY, "messages": [BODY["messages"][0], {"role": "user", "content": "Capital of Spain?"}]}
+    assert partition_key("t", "n", BODY) == partition_key("t", "n", other_question)
+    assert partition_key("t", "n", BODY) == partition_key("t", "n", {**BODY, "temperature": 0.9})
+    other_system = {**BODY, "messages": [{"role": "system", "content": "be long"}, BODY["messages"][1]]}
+    assert partition_key("t", "n", BODY) != partition_key("t", "n", other_system)
+    assert partition_key("t", "n", BODY) != partition_key("t", "n", {**BODY, "tools": [{"type": "function"}]})
+    assert partition_key("t", "n", BODY) != partition_key("t", "n", {**BODY, "model": "m2"})
+    assert partition_key("t", "n", BODY) != partition_key("u", "n", BODY)
+
+
+def test_last_user_text_and_trivial_turns() -> None:
+    assert last_user_text(BODY) == "What is the capital of France?"
+    assert last_user_text({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]}]}) == "a\nb"
+    assert last_user_text({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}) is None
+    assert last_user_text({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "r"}]}) is None
+    for text in ("", "   ", "ok", "go on", "?!"):
+        assert is_trivial(text, 3), text
+    assert not is_trivial("how are you", 3)
+
+
+def test_controls_from_headers_and_body() -> None:
+    body = {"model": "m", "kvgate": {"cache": {"no_store": True, "namespace": "ns1", "ttl": 5, "semantic": False}}}
+    controls = read_controls({}, body)
+    assert "kvgate" not in body
+    assert (controls.read, controls.write, controls.semantic, controls.namespace, controls.ttl_s) == (
+        True, False, False, "ns1", 5.0)
+    headers = {"cache-control": "no-cache, no-store", "x-kvgate-semantic": "off",
+               "x-kvgate-cache-namespace": "ns2", "x-kvgate-cache-ttl": "60"}
+    controls = read_controls(headers, {})
+    assert (controls.read, controls.write, controls.semantic, controls.namespace, controls.ttl_s) == (
+        False, False, False, "ns2", 60.0)
+    for bad_headers, bad_body in (({"x-kvgate-cache-ttl": "-1"}, {}), ({"x-kvgate-cache-namespace": "a b"}, {}),
+                                  ({}, {"kvgate": {"cache": {"nope": 1}}}), ({}, {"kvgate": 3})):
+        with pytest.raises(InvalidField):
+            read_controls(bad_headers, bad_body)
+
+
+def chunk(delta: dict, finish: str | None = None) -> dict:
+    return {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def test_stream_assembly_and_replay_round_trip() -> None:
+    chunks = [chunk({"role": "assistant", "content": ""}), chunk({"content": "Hello"}), chunk({"content": " world"}),
+              chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                     "function": {"name": "f", "arguments": ""}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\":"}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+              chunk({}, "tool_calls")]
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    completion = assemble_stream(chunks, usage)
+    assert completion is not None and is_complete(completion)
+    message = completion["choices"][0]["message"]
+    assert message["content"] == "Hello world"
+    function = {"name": "f", "arguments": "{\"a\":1}"}
+    assert message["tool_calls"] == [{"id": "c1", "type": "function", "function": function}]
+
+    replayed = replay_json(completion, "exact", None)
+    assert replayed["usage"]["prompt_tokens_details"]["cached_tokens"] == 7
+    assert replayed["usage"]["cache_read_input_tokens"] == 7 and replayed["usage"]["cache_creation_input_tokens"] == 0
+    assert replayed["kvgate"] == {"cache": "exact", "cost": 0}
+
+    splitter = SSESplitter()
+    events = splitter.feed(b"".join(replay_sse(completion, "semantic", 0.91, include_usage=True)))
+    datas = [event_data(e) for e in events]
+    assert datas[-1] == b"[DONE]"
+    payloads = [orjson.loads(d) for d in datas[:-1] if d is not None]
+    again = assemble_stream(payloads, payloads[-1]["usage"])
+    assert again is not None and again["choices"] == completion["choices"]
+    assert payloads[-1]["kvgate"] == {"cache": "semantic", "cost": 0, "similarity": 0.91}
+
+
+def test_incomplete_answers_are_not_complete() -> None:
+    assert not is_complete({"choices": [{"finish_reason": "length"}]})
+    assert not is_complete({"choices": []})
+    assert not is_complete({"choices": [{"finish_reason": "stop"}, {"finish_reason": "length"}]})
+
+
+@pytest.mark.parametrize("a, b, reason", [
+    ("How do I turn on dark mode in Windows?", "How do I turn off dark mode in Windows?", "antonym"),
+    ("Is coffee bad for you?", "Is coffee not bad for you?", "negation"),
+    ("How do I convert USD to EUR?", "How do I convert EUR to USD?", "order"),
+    ("Flights from Paris to London", "Flights from London to Paris", "order"),
+    ("What is 5 miles in km?", "What is 6 miles in km?", "number"),
+    ("What happened in 1999?", "What happened in 2001?", "number"),
+    ("Weather in Paris on Monday", "Weather in Paris on Tuesday", "date"),
+    ("How far is 10 km?", "How far is 10 miles?", "unit"),
+    ("Should I buy Tesla stock now?", "Should I sell Tesla stock now?", "antonym"),
+])
+def test_hard_negatives_are_vetoed(a: str, b: str, reason: str) -> None:
+    assert hard_negative(a, b) == reason
+    assert hard_negative(b, a) == reason
+
+
+def test_paraphrases_are_not_vetoed() -> None:
+    assert hard_negative("How do I reset my router password?", "How can I reset the password of my router?") is None
+    assert hard_negative("What is the capital of France?", "What's the capital city of France?") is None
+
+
+def test_threshold_from_curve() -> None:
+    curve = [{"threshold": 0.5, "false_hit_rate": 0.05}, {"threshold": 0.7, "false_hit_rate": 0.01},
+             {"threshold": 0.9, "false_hit_rate": 0.002}]
+    assert threshold_for(curve, 0.01) == 0.7
+    assert threshold_for(curve, 0.001) == 1.0
