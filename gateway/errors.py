@@ -9,6 +9,7 @@
     ├── NotFound                      404 invalid_request_error
     │   └── ModelNotFound             404 invalid_request_error, code model_not_found
     ├── RateLimited                   429 rate_limit_error
+    ├── ServiceUnavailable            503 server_error (a dependency such as the database is down)
     └── UpstreamError                 502 upstream_error
         ├── UpstreamTimeout           504 upstream_error
         ├── UpstreamUnavailable       502 upstream_error (connect failed, no upstream left)
@@ -96,6 +97,12 @@ class RateLimited(GatewayError):
     status_code = 429
     error_type = "rate_limit_error"
     code = "rate_limit_exceeded"
+
+
+class ServiceUnavailable(GatewayError):
+    status_code = 503
+    error_type = "server_error"
+    code = "service_unavailable"
 
 
 class UpstreamError(GatewayError):

@@ -8,8 +8,10 @@ import time
 from dataclasses import dataclass
 
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from gateway.errors import ServiceUnavailable
 from gateway.persistence.models import ApiKey, Tenant
 
 KEY_PREFIX = "kvg-"
@@ -56,13 +58,20 @@ class KeyStore:
         cached = self._cache.get(digest)
         if cached is not None and cached[1] > now:
             return cached[0]
-        async with self._sessions() as session:
-            row = await session.execute(
-                select(Tenant.name)
-                .join(ApiKey, ApiKey.tenant_id == Tenant.id)
-                .where(ApiKey.key_hash == digest, ApiKey.revoked.is_(False))
-            )
-            name = row.scalar_one_or_none()
+        try:
+            async with self._sessions() as session:
+                row = await session.execute(
+                    select(Tenant.name)
+                    .join(ApiKey, ApiKey.tenant_id == Tenant.id)
+                    .where(ApiKey.key_hash == digest, ApiKey.revoked.is_(False))
+                )
+                name = row.scalar_one_or_none()
+        except (SQLAlchemyError, OSError) as exc:
+            # The database is down: keys seen before keep working (even past their TTL), so
+            # that an outage does not take the gateway down with it; unknown keys wait for it.
+            if cached is not None:
+                return cached[0]
+            raise ServiceUnavailable("the key database is unavailable; retry shortly") from exc
         if name is None:
             self._cache.pop(digest, None)
             return None
