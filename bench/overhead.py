@@ -92,8 +92,12 @@ def _row(path: str, concurrency: int, stream: bool, result: RunResult) -> dict[s
     }
 
 
-def _litellm_available() -> bool:
-    return shutil.which("litellm") is not None or (Path(sys.executable).parent / "litellm").exists()
+def _find_litellm(given: str | None) -> str | None:
+    """The `litellm` proxy command: given, on PATH, next to this Python, or in a separate
+    `.venv-litellm` (LiteLLM pins versions that are best kept out of kvgate's own environment)."""
+    candidates = [given, shutil.which("litellm"), str(Path(sys.executable).parent / "litellm"),
+                  str(REPO / ".venv-litellm" / "bin" / "litellm")]
+    return next((c for c in candidates if c and Path(c).exists()), None)
 
 
 def main(argv: list[str]) -> int:
@@ -102,6 +106,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--requests-c1", type=int, default=300)
     parser.add_argument("--requests-c32", type=int, default=1500)
     parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--litellm", help="path of the litellm proxy command")
     args = parser.parse_args(argv)
 
     notes: list[str] = []
@@ -122,8 +127,9 @@ def main(argv: list[str]) -> int:
 
         if args.no_litellm:
             notes.append("litellm column skipped (--no-litellm)")
-        elif not _litellm_available():
-            notes.append("litellm column skipped: install the bench extra (pip install -e '.[bench]')")
+        elif (litellm := _find_litellm(args.litellm)) is None:
+            notes.append("litellm column skipped: install the bench extra (pip install -e '.[bench]') "
+                         "or litellm[proxy] into .venv-litellm")
         else:
             ll_port = _free_port()
             config = tmp / "litellm.yaml"
@@ -131,7 +137,6 @@ def main(argv: list[str]) -> int:
                 "model_list:\n  - model_name: fake-model\n    litellm_params:\n      model: openai/fake-model\n"
                 f"      api_base: {fake}\n      api_key: sk-fake\n"
                 "litellm_settings:\n  drop_params: true\n  telemetry: false\n")
-            litellm = str(Path(sys.executable).parent / "litellm") if not shutil.which("litellm") else "litellm"
             stack.enter_context(_process(
                 [litellm, "--config", str(config), "--port", str(ll_port), "--num_workers", "1"],
                 f"http://127.0.0.1:{ll_port}/health/liveliness", timeout_s=240,

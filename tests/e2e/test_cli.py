@@ -50,7 +50,7 @@ def test_serve_on_embedded_defaults_answers_with_the_engine(tmp_path: Path) -> N
     engine, creates a first key and prints it once, and answers the demo question."""
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    proc = subprocess.Popen(KVGATE + ["serve", "--port", str(port)], cwd=tmp_path, env=clean,
+    proc = subprocess.Popen([*KVGATE, "serve", "--port", str(port)], cwd=tmp_path, env=clean,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         key = None
