@@ -120,7 +120,7 @@ def _directed_pairs(words: list[str]) -> set[tuple[str, str]]:
     """(x, y) for content words with a directional connector between them, x first: "USD to EUR"
     gives (usd, eur), so its reverse shows up in "EUR to USD"."""
     words = words[:64]
-    pairs = set()
+    pairs: set[tuple[str, str]] = set()
     for i, word in enumerate(words):
         if word not in CONNECTORS:
             continue

@@ -31,7 +31,7 @@ def embedding_model() -> Any:
 
 @contextmanager
 def cache_gateway(fake_upstream: str, database_url: str, **cache: Any) -> Iterator[Gateway]:
-    settings = ResponseCacheSettings(poll_interval_s=0.1, **cache)
+    settings = ResponseCacheSettings(**{"poll_interval_s": 0.1, **cache})
     gateways = start_gateway(fake_upstream, database_url, responsecache=settings)
     try:
         yield next(gateways)

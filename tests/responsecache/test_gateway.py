@@ -140,9 +140,10 @@ def test_temperature_policy(gw: Gateway) -> None:
 def test_cache_control_headers(gw: Gateway, fake_upstream: str) -> None:
     client = Client(gw)
     client.miss_then_stored("controls: what is the tallest mountain in Europe?")
-    calls = upstream_count(fake_upstream)
+    calls, before = upstream_count(fake_upstream), client.entries()
     no_cache = client.chat("controls: what is the tallest mountain in Europe?", headers={"cache-control": "no-cache"})
     assert no_cache.cache == "bypass" and upstream_count(fake_upstream) == calls + 1
+    client.wait_entries(before + 1)  # no-cache reads nothing but still stores the fresh answer
 
     before = client.entries()
     assert client.chat("controls: what is the longest river in Asia?",
