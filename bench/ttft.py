@@ -87,15 +87,18 @@ def main(argv: list[str]) -> int:
         for size in (int(s) for s in args.sizes.split(",")):
             shared = int(size * 0.9)
             previous = _tokens(loaded, size, seed=1)
-            current = previous[:shared] + _tokens(loaded, size - shared, seed=2)
+            # A fresh 10% tail per repeat: a repeat must not find the previous repeat's blocks.
+            currents = [previous[:shared] + _tokens(loaded, size - shared, seed=2 + r) for r in range(args.repeats)]
+            current = currents[0]
             kv = _prefix_kv(loaded, previous)
             if codec_ratio is None:
                 block = kv[:, :, :, :16].contiguous()
                 codec_ratio = len(build_codec(CodecName.SHRINK_ZSTD).encode(block)) / (block.numel() *
                                                                                       block.element_size())
             cold = cold_runner.run(Generation(current, SamplingParams(max_tokens=1))).prefill_s
-            floor = statistics.median(_floor_s(loaded, kv, shared // 16 * 16, current[shared // 16 * 16:])
-                                      for _ in range(args.repeats))
+            aligned = shared // 16 * 16
+            _floor_s(loaded, kv, aligned, current[aligned:])  # warm-up at this shape
+            floor = statistics.median(_floor_s(loaded, kv, aligned, c[aligned:]) for c in currents)
             rows.append({"prompt_tokens": size, "tier": "cold", "layerwise": False, "ttft_s": round(cold, 4),
                          "floor_s": round(floor, 4), "cached_tokens": 0})
             for tier in args.tiers.split(","):
@@ -111,8 +114,8 @@ def main(argv: list[str]) -> int:
                     manager.store("bench", previous, kv)
                     runner = ModelRunner(loaded, manager, layerwise_min_tokens=0 if layerwise else 1 << 30)
                     times, cached = [], 0
-                    for _ in range(args.repeats):
-                        result = runner.run(Generation(current, SamplingParams(max_tokens=1), salt="bench"))
+                    for c in currents:
+                        result = runner.run(Generation(c, SamplingParams(max_tokens=1), salt="bench"))
                         times.append(result.prefill_s)
                         cached = result.cached_tokens
                     runner.close()

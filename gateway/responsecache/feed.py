@@ -53,9 +53,7 @@ class ChangeFeed:
             import redis.asyncio as redis
 
             self._redis = redis.from_url(self._redis_url)
-            pubsub = self._redis.pubsub()
-            await pubsub.subscribe(self._channel)
-            self._tasks.append(asyncio.create_task(self._listen(pubsub), name="responsecache-feed-listen"))
+            self._tasks.append(asyncio.create_task(self._listen(), name="responsecache-feed-listen"))
         self._tasks.append(asyncio.create_task(self._run(), name="responsecache-feed"))
 
     def mark_seen(self, entry_id: int) -> None:
@@ -73,10 +71,26 @@ class ChangeFeed:
             except Exception:
                 log.warning("response cache: redis publish failed; replicas will catch up by polling")
 
-    async def _listen(self, pubsub: Any) -> None:
-        async for message in pubsub.listen():
-            if message.get("type") == "message":
-                self._wake.set()
+    async def _listen(self) -> None:
+        """Wake the reader on every message. While Redis is down the timer alone keeps this
+        replica in step (every REDIS_SAFETY_POLL_S), and this reconnects with backoff."""
+        backoff_s = 1.0
+        while True:
+            try:
+                pubsub = self._redis.pubsub()
+                await pubsub.subscribe(self._channel)
+                backoff_s = 1.0
+                self._wake.set()  # catch up on whatever was announced while unsubscribed
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("response cache: redis feed unavailable (%s); polling SQL until it is back",
+                            exc.__class__.__name__)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 30.0)
 
     async def _run(self) -> None:
         while True:
