@@ -15,6 +15,7 @@ import argparse
 import json
 import random
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -73,7 +74,8 @@ def shuffled(value: Any, rng: random.Random) -> Any:
     return value
 
 
-def session_requests(variant: str, turns: int, system: str, tool_list: list[Any]) -> Iterator[dict[str, Any]]:
+def session_requests(variant: str, turns: int, system: str, tool_list: list[Any],
+                     model: str = "fake-model") -> Iterator[dict[str, Any]]:
     """The requests of one agent session; the caller appends each answer to `history`."""
     rng = random.Random(42)
     start = datetime(2026, 12, 2, 9, 0, 0, tzinfo=UTC)
@@ -87,7 +89,7 @@ def session_requests(variant: str, turns: int, system: str, tool_list: list[Any]
             request_tools = shuffled(tool_list, rng)
             rng.shuffle(request_tools)
         history.append({"role": "user", "content": f"Turn {turn}: what is the status of order A-{1000 + turn}?"})
-        yield {"model": "fake-model", "tools": request_tools, "tool_choice": "none",
+        yield {"model": model, "tools": request_tools, "tool_choice": "none", "max_tokens": 8,
                "messages": [{"role": "system", "content": sys_text}, *history]}
         history.append({"role": "assistant", "content": f"Order A-{1000 + turn} is on its way."})
 
@@ -95,16 +97,20 @@ def session_requests(variant: str, turns: int, system: str, tool_list: list[Any]
 @contextmanager
 def gateway(upstream: str, db: Path, canonical: CanonicalSettings) -> Iterator[str]:
     settings = Settings(_env_file=None, database_url=f"sqlite+aiosqlite:///{db}", no_auth=True,
-                        upstreams=[UpstreamSettings(name="fake", base_url=upstream + "/v1")], canonical=canonical)
+                        upstreams=[UpstreamSettings(name="upstream", base_url=upstream + "/v1")], canonical=canonical,
+                        responsecache={"enabled": False})  # measure the upstream's prefix cache only
     with serve_in_thread(create_app(settings)) as url:
         yield url
 
 
-def run_session(base: str, fake: str, variant: str, turns: int, system: str, tool_list: list[Any]) -> dict[str, float]:
-    httpx.post(fake + "/control/reset")
+def run_session(base: str, fake: str | None, variant: str, turns: int, system: str, tool_list: list[Any],
+                model: str = "fake-model") -> dict[str, float]:
+    if fake is not None:
+        httpx.post(fake + "/control/reset")
     cached = prompt = 0
-    with httpx.Client(timeout=60, headers={"cache-control": "no-cache, no-store"}) as client:
-        for body in session_requests(variant, turns, system, tool_list):
+    with httpx.Client(timeout=600, headers={"cache-control": "no-cache, no-store",
+                                            "x-kvgate-session": f"{variant}-{uuid.uuid4().hex}"}) as client:
+        for body in session_requests(variant, turns, system, tool_list, model):
             reply = client.post(base + "/v1/chat/completions", json=body)
             reply.raise_for_status()
             usage = reply.json()["usage"]
@@ -119,6 +125,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--system-tokens", type=int, default=4000)
     parser.add_argument("--tools", type=int, default=14, help="tool schemas (about 150 tokens each)")
+    parser.add_argument("--engine", action="store_true",
+                        help="also run against kvgate's own engine (a shorter session: its model is small and slow)")
+    parser.add_argument("--engine-turns", type=int, default=6)
+    parser.add_argument("--engine-system-tokens", type=int, default=1000)
     args = parser.parse_args(argv)
 
     system, tool_list = system_prompt(args.system_tokens), tools(args.tools)
@@ -134,19 +144,49 @@ def main(argv: list[str]) -> int:
         for variant in ("clean", "timestamp", "shuffled_tools"):
             a = run_session(without, fake, variant, args.turns, system, tool_list)
             b = run_session(with_, fake, variant, args.turns, system, tool_list)
-            rows.append({"variant": variant, "hit_ratio_without": round(a["hit_ratio"], 4),
+            rows.append({"upstream": "fake-lru", "variant": variant, "hit_ratio_without": round(a["hit_ratio"], 4),
                          "hit_ratio_with": round(b["hit_ratio"], 4), "cached_tokens_without": a["cached_tokens"],
                          "cached_tokens_with": b["cached_tokens"], "prompt_tokens": b["prompt_tokens"]})
-    clean = rows[0]["hit_ratio_with"]
+    if args.engine:
+        rows += engine_rows(args, off, on)
     for row in rows:
+        clean = next(r["hit_ratio_with"] for r in rows if r["upstream"] == row["upstream"] and r["variant"] == "clean")
         row["with_vs_clean"] = round(row["hit_ratio_with"] / clean, 3) if clean else None
     if args.json:
         print(json.dumps({"static_prefix_tokens": static_tokens, "turns": args.turns, "rows": rows}))
         return 0
     print(f"{args.turns}-turn agent session, static prefix ~{static_tokens} tokens, upstream LRU prefix cache")
-    print("| variant | hit ratio without | hit ratio with | with / clean | cached tokens without | with |")
-    print("|---|---|---|---|---|---|")
+    print("| upstream | variant | hit ratio without | hit ratio with | with / clean | cached tokens without | with |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['variant']} | {r['hit_ratio_without']} | {r['hit_ratio_with']} | {r['with_vs_clean']} | "
+        print(f"| {r['upstream']} | {r['variant']} | {r['hit_ratio_without']} | {r['hit_ratio_with']} | "
+              f"{r['with_vs_clean']} | "
               f"{r['cached_tokens_without']} | {r['cached_tokens_with']} |")
     return 0
+
+
+def engine_rows(args: argparse.Namespace, off: CanonicalSettings, on: CanonicalSettings) -> list[dict[str, Any]]:
+    """The same session against `kvgate engine` (its own KV cache reports the cached tokens). Its
+    model's chat template has no tools, so only the system prompt's stability shows here."""
+    from gateway.engine.app import create_engine_app
+    from gateway.kvcache.settings import KVCacheSettings
+
+    system, tool_list = system_prompt(args.engine_system_tokens), tools(2)
+    rows = []
+    for variant in ("clean", "timestamp", "shuffled_tools"):
+        result = {}
+        for name, canonical in (("without", off), ("with", on)):
+            # A fresh engine per run: its KV cache starts empty, as the fake's is reset.
+            engine_settings = Settings(_env_file=None, kvcache=KVCacheSettings(device_capacity_bytes=0,
+                                                                              skip_slow_tiers=False))
+            with tempfile.TemporaryDirectory() as tmp, serve_in_thread(create_engine_app(engine_settings)) as engine, \
+                    gateway(engine, Path(tmp) / "gw.db", canonical) as base:
+                result[name] = run_session(base, None, variant, args.engine_turns, system, tool_list,
+                                           model="smollm2-135m-instruct")
+        rows.append({"upstream": "kvgate-engine", "variant": variant,
+                     "hit_ratio_without": round(result["without"]["hit_ratio"], 4),
+                     "hit_ratio_with": round(result["with"]["hit_ratio"], 4),
+                     "cached_tokens_without": result["without"]["cached_tokens"],
+                     "cached_tokens_with": result["with"]["cached_tokens"],
+                     "prompt_tokens": result["with"]["prompt_tokens"]})
+    return rows
