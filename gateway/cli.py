@@ -23,6 +23,7 @@ BENCHMARKS = {
     "ttft": "bench.ttft",
     "prefix-stability": "bench.prefix_stability",
     "routing": "bench.routing",
+    "cache-latency": "bench.cache_latency",
 }
 EVALS = {"semantic": "bench.semantic_eval"}
 

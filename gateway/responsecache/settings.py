@@ -18,6 +18,9 @@ class ResponseCacheSettings(BaseModel):
         default=0.01, gt=0, lt=1,
         description="Semantic operating point: share of lookups allowed to get a wrong answer (calibrated on QQP).",
     )
+    embed_threads: int = Field(
+        default=1, ge=0, description="torch threads for embedding (process-wide; 0 = torch's default, one per core).",
+    )
     min_query_words: int = Field(default=3, ge=1, description="Last user turns with fewer words never match.")
     default_temperature: float = Field(
         default=1.0, ge=0, description="Temperature assumed for a request that sets none (OpenAI's default is 1)."

@@ -6,11 +6,14 @@ embed almost identically. A candidate passes two stages:
 1. Vetoes for hard negatives, exact by construction: a different negation, different numbers,
    dates or units, an antonym swapped in (on/off, buy/sell, before/after, ...), or the same words
    in another order (entities or direction swapped: "USD to EUR" / "EUR to USD").
-2. A logistic model over the two embeddings (elementwise product and difference) and lexical
-   overlap features, trained on QQP (`bench/semantic_calibrate.py`); its probability must reach
-   the threshold that the calibration curve gives for the target false-hit rate.
+2. A small gradient-boosted tree model over retrieval features (cosine, rank, gap to the best and
+   margin to the next neighbour), lexical overlap and the two embeddings (elementwise product and
+   difference), trained on the retrieval task itself (`bench/semantic_calibrate.py`: QQP questions
+   stored in a cache, the other side of each pair asked, every top-k candidate labelled right or
+   wrong); its probability must reach the threshold that the validation curve gives for the
+   target false-hit rate (wrong hits served / lookups).
 
-The weights and the calibration curve ship in `verifier_weights.json`.
+The trees and the calibration curve ship in `verifier_weights.json`; numpy evaluates them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -75,6 +79,7 @@ for _x, _y in ANTONYMS:
     _ANTONYM_OF.setdefault(_x, set()).add(_y)
     _ANTONYM_OF.setdefault(_y, set()).add(_x)
 CONNECTORS = frozenset(_words("to from than vs versus into onto against toward towards beats before after"))
+SYMMETRIC = frozenset(_words("and or between vs versus with difference differences compare comparison same"))
 NUM_LEXICAL = 8
 
 
@@ -111,9 +116,34 @@ def hard_negative(a: str, b: str) -> str | None:
     for word in sa - sb:
         if _ANTONYM_OF.get(word, set()) & (sb - sa):
             return "antonym"
-    if _directed_pairs(ta) & {(y, x) for x, y in _directed_pairs(tb)}:
+    if _directed_pairs(ta) & {(y, x) for x, y in _directed_pairs(tb)} or _swapped_around_pivot(ta, tb):
         return "order"
     return None
+
+
+def _stem(word: str) -> str:
+    return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word
+
+
+def _swapped_around_pivot(ta: list[str], tb: list[str]) -> bool:
+    """Two content words that trade places across a word both texts share once: "what do men find
+    attractive in women" / "what do women find attractive in men", "can dogs eat cat food" / "can
+    cats eat dog food". The pivot is a content word ("find", "eat"), never a symmetric one ("and",
+"or", "between", "with"), and adjacent words swapping ("online easily" / "easily online") is rephrasing."""
+    sa, sb = [_stem(w) for w in ta[:64]], [_stem(w) for w in tb[:64]]
+    once_a = {w: i for i, w in enumerate(sa) if sa.count(w) == 1}
+    once_b = {w: i for i, w in enumerate(sb) if sb.count(w) == 1}
+    shared = once_a.keys() & once_b.keys()
+    content = [w for w in shared if w not in STOPWORDS and w not in NEGATIONS]
+    pivots = [w for w in content if w not in SYMMETRIC]
+    for x, y in itertools.combinations(content, 2):
+        if (once_a[x] < once_a[y]) == (once_b[x] < once_b[y]):
+            continue
+        lo_a, hi_a = sorted((once_a[x], once_a[y]))
+        lo_b, hi_b = sorted((once_b[x], once_b[y]))
+        if any(lo_a < once_a[p] < hi_a and lo_b < once_b[p] < hi_b for p in pivots if p not in (x, y)):
+            return True
+    return False
 
 
 def _directed_pairs(words: list[str]) -> set[tuple[str, str]]:
@@ -149,11 +179,19 @@ def lexical_features(a: str, b: str) -> list[float]:
     ]
 
 
-def pair_features(u: np.ndarray, v: np.ndarray, a: str, b: str) -> np.ndarray:
-    """Symmetric in (a, b): product and absolute difference of the embeddings, the cosine, and
-    lexical overlap."""
-    cosine = float(np.dot(u, v))
-    return np.concatenate([u * v, np.abs(u - v), [cosine, cosine * cosine], lexical_features(a, b)]).astype(np.float32)
+def candidate_features(u: np.ndarray, v: np.ndarray, query: str, cached: str, rank: int,
+                       cosines: list[float], floor: float) -> np.ndarray:
+    """Features of one retrieval candidate: the query `u`/`query` against the cached `v`/`cached`,
+    which is the `rank`-th of the nearest neighbours whose cosines (descending, one past the last
+    candidate when the partition has it) are `cosines`. Retrieval context (rank, gap to the best,
+    margin to the next) says how crowded the neighbourhood is; the embedding product and difference
+    say which topics cosine over- or under-rates; lexical overlap sees what embeddings blur."""
+    def at(i: int) -> float:
+        return max(cosines[i], floor) if i < len(cosines) else floor
+
+    cosine = at(rank)
+    context = [cosine, cosine * cosine, float(rank), at(0) - cosine, cosine - at(rank + 1), at(0) - at(1)]
+    return np.concatenate([context, lexical_features(query, cached), u * v, np.abs(u - v)]).astype(np.float32)
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,15 +201,40 @@ class Verdict:
     reason: str | None = None
 
 
-class Verifier:
-    """Scores a (query, cached question) pair; `threshold` is set from the target false-hit rate."""
+class Trees:
+    """A gradient-boosted tree ensemble (sklearn's HistGradientBoostingClassifier, exported by
+    `bench/semantic_calibrate.py`) evaluated with numpy: every tree is padded to the same node
+    count, and all trees step down one level at a time."""
 
-    def __init__(self, weights: np.ndarray, bias: float, mean: np.ndarray, scale: np.ndarray,
-                 curve: list[dict[str, float]], min_cosine: float, target_false_hit_rate: float) -> None:
-        self._weights = weights
-        self._bias = bias
-        self._mean = mean
-        self._scale = scale
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.baseline = float(data["baseline"])
+        self.feature = np.array(data["feature"], dtype=np.int64)
+        self.threshold = np.array(data["threshold"], dtype=np.float64)
+        self.left = np.array(data["left"], dtype=np.int64)
+        self.right = np.array(data["right"], dtype=np.int64)
+        self.value = np.array(data["value"], dtype=np.float64)
+        self.is_leaf = np.array(data["is_leaf"], dtype=bool)
+        self.depth = int(data["depth"])
+        self._rows = np.arange(self.feature.shape[0])
+
+    def raw(self, x: np.ndarray) -> float:
+        node = np.zeros(self.feature.shape[0], dtype=np.int64)
+        for _ in range(self.depth + 1):
+            leaf = self.is_leaf[self._rows, node]
+            if leaf.all():
+                break
+            go_left = x[self.feature[self._rows, node]] <= self.threshold[self._rows, node]
+            step = np.where(go_left, self.left[self._rows, node], self.right[self._rows, node])
+            node = np.where(leaf, node, step)
+        return self.baseline + float(self.value[self._rows, node].sum())
+
+
+class Verifier:
+    """Scores retrieval candidates; `threshold` is set from the target false-hit rate."""
+
+    def __init__(self, trees: Trees, curve: list[dict[str, float]], min_cosine: float,
+                 target_false_hit_rate: float) -> None:
+        self._trees = trees
         self.curve = curve
         self.min_cosine = min_cosine
         self.threshold = threshold_for(curve, target_false_hit_rate)
@@ -179,21 +242,24 @@ class Verifier:
     @classmethod
     def load(cls, target_false_hit_rate: float, path: Path = WEIGHTS_PATH) -> Verifier:
         data = orjson.loads(path.read_bytes())
-        return cls(np.array(data["weights"], dtype=np.float32), float(data["bias"]),
-                   np.array(data["mean"], dtype=np.float32), np.array(data["scale"], dtype=np.float32),
-                   data["curve"], float(data["min_cosine"]), target_false_hit_rate)
+        return cls(Trees(data["trees"]), data["curve"], float(data["min_cosine"]), target_false_hit_rate)
 
     def probability(self, features: np.ndarray) -> float:
-        z = float(np.dot((features - self._mean) / self._scale, self._weights)) + self._bias
+        z = self._trees.raw(features)
         return 1.0 / (1.0 + math.exp(-max(min(z, 40.0), -40.0)))
 
-    def verify(self, u: np.ndarray, v: np.ndarray, query: str, cached: str) -> Verdict:
-        if float(np.dot(u, v)) < self.min_cosine:
+    def verify(self, u: np.ndarray, v: np.ndarray, query: str, cached: str, rank: int = 0,
+               cosines: list[float] | None = None) -> Verdict:
+        """One candidate: the `rank`-th neighbour of `query`, `cosines` the neighbours' cosines
+        (descending); without them the candidate is taken as the only neighbour."""
+        cosine = float(np.dot(u, v))
+        if cosine < self.min_cosine:
             return Verdict(False, 0.0, "cosine")
         reason = hard_negative(query, cached)
         if reason is not None:
             return Verdict(False, 0.0, reason)
-        probability = self.probability(pair_features(u, v, query, cached))
+        features = candidate_features(u, v, query, cached, rank, cosines or [cosine], self.min_cosine)
+        probability = self.probability(features)
         return Verdict(probability >= self.threshold, probability, None if probability >= self.threshold else "score")
 
 

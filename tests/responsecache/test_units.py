@@ -133,3 +133,35 @@ def test_threshold_from_curve() -> None:
              {"threshold": 0.9, "false_hit_rate": 0.002}]
     assert threshold_for(curve, 0.01) == 0.7
     assert threshold_for(curve, 0.001) == 1.0
+
+
+@pytest.mark.parametrize("a, b", [
+    ("What do men find attractive in women?", "What do women find attractive in men?"),
+    ("Can dogs eat cat food?", "Can cats eat dog food?"),
+])
+def test_entities_swapped_around_a_shared_word_are_vetoed(a: str, b: str) -> None:
+    assert hard_negative(a, b) == "order"
+
+
+@pytest.mark.parametrize("a, b", [
+    ("How can I earn money online easily?", "How can I earn money easily online?"),
+    ("What is the difference between PHP and Node.js?", "What is the difference between Node.js and PHP?"),
+    ("Which is better: whey protein or mass gainer?", "Which is better: mass gainer or whey protein?"),
+])
+def test_reordering_that_keeps_the_question_is_not_vetoed(a: str, b: str) -> None:
+    assert hard_negative(a, b) is None
+
+
+def test_verifier_trees_match_their_export() -> None:
+    """The shipped weights load, evaluate to probabilities, and pick a threshold from the curve."""
+    import numpy as np
+
+    from gateway.responsecache.verifier import Verifier, candidate_features
+
+    verifier = Verifier.load(0.01)
+    assert 0.5 < verifier.threshold < 1.0
+    rng = np.random.default_rng(0)
+    u = rng.normal(size=384).astype(np.float32)
+    u /= np.linalg.norm(u)
+    features = candidate_features(u, u, "how do i reset my router", "how do i reset my router", 0, [1.0], 0.75)
+    assert 0.0 < verifier.probability(features) < 1.0
