@@ -1,109 +1,86 @@
 """`kvgate bench cache-latency`: end-to-end latency of response-cache hits through a real gateway.
 
-One gateway (SQLite, response cache on, semantic on) in front of the fake upstream
-(tests/fake_upstream.py), both in this process on uvicorn threads; an httpx client sends
-non-streamed chat requests one at a time:
+The fake upstream (tests/fake_upstream.py) and `kvgate serve` (SQLite, response cache and semantic
+cache on) run as their own processes, as in `bench/overhead.py`; the raw-asyncio load generator
+sends one request at a time:
 
-    miss        a new question each time: exact lookup, embedding, search, verify, upstream, store
-    exact hit   the same request again
-    semantic    a paraphrase of a stored question (embedded on every request: no embedding memo)
+    direct        the fake upstream itself (the floor of any HTTP round trip here)
+    exact hit     the stored request again
+    semantic hit  a paraphrase of it (sent with no-store, so it is embedded and verified each time)
 
-The issue's aims: exact hit <= 2 ms, semantic hit p50 <= 20 ms. The miss to the (instant) fake
-upstream is the baseline. Client and servers share this process and its two CPU cores, so
-absolute numbers include the client; compare the rows.
+The issue's aims: exact hit <= 2 ms, semantic hit p50 <= 20 ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import httpx
-import numpy as np
 
-from gateway.responsecache.settings import ResponseCacheSettings
+from bench.loadgen import run_load
+from bench.overhead import _free_port, _percentile, _process, _uvicorn
 
 STORED = "How do I reset the password of my wifi router?"
 PARAPHRASE = "How can I reset my wifi router password?"
-TOPICS = ["volcanoes", "penguins", "bridges", "tulips", "glaciers", "satellites", "violins", "deserts", "coral reefs",
-          "lighthouses", "bamboo", "comets", "submarines", "honeybees", "pyramids", "tornadoes", "owls", "canals",
-          "meteorites", "cacti", "chess openings", "sourdough bread", "jellyfish", "windmills", "fjords"]
 
 
-def _timed(client: httpx.Client, url: str, key: str, text: str) -> tuple[float, str]:
-    body = {"model": "fake-model", "temperature": 0, "max_tokens": 16,
-            "messages": [{"role": "user", "content": text}]}
-    started = time.perf_counter()
-    response = client.post(url, json=body, headers={"authorization": f"Bearer {key}"})
-    elapsed = (time.perf_counter() - started) * 1000
-    response.raise_for_status()
-    return elapsed, response.headers.get("x-kvgate-cache", "")
+def _body(text: str) -> bytes:
+    return json.dumps({"model": "fake-model", "temperature": 0,
+                       "messages": [{"role": "user", "content": text}]}).encode()
 
 
-def _row(times: list[float]) -> dict[str, float]:
-    return {"n": len(times), "p50_ms": round(statistics.median(times), 2),
-            "p99_ms": round(float(np.percentile(times, 99)), 2), "mean_ms": round(statistics.fmean(times), 2)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    from tests.conftest import start_gateway
-    from tests.fake_upstream import create_fake_upstream
-    from tests.servers import serve_in_thread
-
-    parser = argparse.ArgumentParser(prog="kvgate bench cache-latency", description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=200, help="timed requests per kind")
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvgate bench cache-latency")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--requests", type=int, default=400)
     args = parser.parse_args(argv)
-
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp, serve_in_thread(create_fake_upstream()) as upstream:
-        database_url = f"sqlite+aiosqlite:///{Path(tmp) / 'kvgate.db'}"
-        gateways = start_gateway(upstream, database_url, responsecache=ResponseCacheSettings(poll_interval_s=0.1))
-        gateway = next(gateways)
-        try:
-            url = gateway.v1 + "/chat/completions"
-            with httpx.Client(timeout=30) as client:
-                stats = gateway.base_url + "/admin/response-cache/stats"
-                admin = {"authorization": "Bearer admin-test-key"}
-
-                def wait_entries(n: int) -> None:
-                    deadline = time.monotonic() + 10
-                    while client.get(stats, headers=admin).json()["entries"] < n and time.monotonic() < deadline:
-                        time.sleep(0.01)
-
-                _timed(client, url, gateway.api_key, STORED)
-                wait_entries(1)
-                for _ in range(10):  # warm-up: model, connection, code paths
-                    _timed(client, url, gateway.api_key, STORED)
-                    _timed(client, url, gateway.api_key, PARAPHRASE)
-                kinds: dict[str, list[float]] = {"miss (fake upstream)": [], "exact hit": [], "semantic hit": []}
-                statuses: dict[str, set[str]] = {k: set() for k in kinds}
-                for i in range(args.requests):
-                    topic = TOPICS[i % len(TOPICS)]
-                    question = f"Question {i}: what should a curious person know about {topic}?"
-                    for kind, text in (("miss (fake upstream)", question), ("exact hit", STORED),
-                                       ("semantic hit", PARAPHRASE)):
-                        elapsed, status = _timed(client, url, gateway.api_key, text)
-                        kinds[kind].append(elapsed)
-                        statuses[kind].add(status)
-                results = {kind: {**_row(times), "x-kvgate-cache": sorted(statuses[kind])}
-                           for kind, times in kinds.items()}
-        finally:
-            gateways.close()
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        fake_port, gw_port = _free_port(), _free_port()
+        stack.enter_context(_process(_uvicorn("tests.fake_upstream:create_fake_upstream", fake_port),
+                                     f"http://127.0.0.1:{fake_port}/v1/models"))
+        db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
+        key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
+                              "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
+        stack.enter_context(_process(
+            [sys.executable, "-m", "gateway", "serve", "--port", str(gw_port), "--upstream",
+             f"fake=http://127.0.0.1:{fake_port}/v1", "--database-url", db], f"http://127.0.0.1:{gw_port}/readyz",
+            env={"KVGATE_LOG_LEVEL": "warning", "KVGATE_OBSERVABILITY__ACCESS_LOG": "false"}))
+        gateway = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+        auth = {"authorization": f"Bearer {key}"}
+        stored = httpx.post(gateway, content=_body(STORED), headers={**auth, "content-type": "application/json"})
+        time.sleep(0.5)
+        probe = httpx.post(gateway, content=_body(PARAPHRASE),
+                           headers={**auth, "content-type": "application/json", "cache-control": "no-store"})
+        cases = [("direct", f"http://127.0.0.1:{fake_port}/v1/chat/completions", _body(STORED), {}),
+                 ("exact hit", gateway, _body(STORED), auth),
+                 ("semantic hit", gateway, _body(PARAPHRASE), {**auth, "cache-control": "no-store"})]
+        rows = []
+        for name, url, body, headers in cases:
+            asyncio.run(run_load(url, body, headers, concurrency=1, num_requests=30))
+            result = asyncio.run(run_load(url, body, headers, concurrency=1, num_requests=args.requests))
+            latencies = [s.latency_s * 1000 for s in result.samples]
+            rows.append({"request": name, "p50_ms": round(statistics.median(latencies), 3),
+                         "p99_ms": round(_percentile(latencies, 0.99), 3), "errors": result.errors})
+    summary = {"first_request": stored.headers.get("x-kvgate-cache"),
+               "paraphrase": probe.headers.get("x-kvgate-cache"),
+               "similarity": probe.headers.get("x-kvgate-similarity"), "rows": rows}
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps(summary))
         return 0
-    print(f"{'request':22} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}  x-kvgate-cache")
-    for kind, row in results.items():
-        print(f"{kind:22} {row['n']:5d} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['mean_ms']:8.2f}  "
-              f"{','.join(row['x-kvgate-cache'])}")
+    print(f"stored: {summary['first_request']}; paraphrase: {summary['paraphrase']} "
+          f"(similarity {summary['similarity']})")
+    print("| request | p50 ms | p99 ms | errors |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['request']} | {r['p50_ms']} | {r['p99_ms']} | {r['errors']} |")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
