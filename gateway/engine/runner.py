@@ -150,14 +150,15 @@ class ModelRunner:
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if keys is None or values is None:
                 return 0
-            layers.append((keys, values))
-        seq_len = int(layers[0][0].shape[-2])
+            # Only what this request computed: the restored prefix is in the cache already.
+            layers.append((keys[..., num_cached:, :], values[..., num_cached:, :]))
+        seq_len = num_cached + int(layers[0][0].shape[-2])
         token_ids = (gen.prompt_ids + generated)[:seq_len]
         block_size = self.kv.keyer.block_size
         if seq_len // block_size * block_size <= num_cached:
             return 0
         try:
-            self.kv.store(gen.salt, token_ids, stack_layers(layers))
+            self.kv.store(gen.salt, token_ids, stack_layers(layers), kv_start=num_cached)
         except KVCacheError:
             return 0
         return max(0, len(gen.prompt_ids) // block_size * block_size - num_cached)

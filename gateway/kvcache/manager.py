@@ -264,22 +264,32 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- store
 
-    def store(self, tenant_salt: str, token_ids: Sequence[int] | np.ndarray, kv: torch.Tensor) -> int:
-        """Cache the full blocks of a sequence; `kv` is `[num_layers, 2, heads, seq, head_dim]`
-        with seq >= the tokens to cache. Returns how many blocks were new."""
+    def store(self, tenant_salt: str, token_ids: Sequence[int] | np.ndarray, kv: torch.Tensor,
+              kv_start: int = 0) -> int:
+        """Cache the full blocks of a sequence; `kv` is `[num_layers, 2, heads, seq, head_dim]` and
+        holds the tokens from `kv_start` on (a multiple of the block size: a caller that restored a
+        prefix passes only what it computed). Blocks before `kv_start` are keyed, never written.
+        Returns how many blocks were new."""
         if self.layout is None:
             raise ValueError("store() needs a layout; use store_hashes() in metadata-only mode")
         self.layout.check_sequence(kv)
-        num_tokens = min(len(token_ids), kv.shape[3])
-        hashes = self.hash_tokens(tenant_salt, token_ids[:num_tokens])
         size = self.keyer.block_size
-        return self._store(hashes, lambda i: kv[:, :, :, i * size : (i + 1) * size, :])
+        if kv_start % size:
+            raise ValueError(f"kv_start {kv_start} is not a multiple of the block size {size}")
+        num_tokens = min(len(token_ids), kv_start + kv.shape[3])
+        hashes = self.hash_tokens(tenant_salt, token_ids[:num_tokens])
+
+        def block_of(i: int) -> torch.Tensor | None:
+            start = i * size - kv_start
+            return None if start < 0 else kv[:, :, :, start : start + size, :]
+
+        return self._store(hashes, block_of)
 
     def store_hashes(self, hashes: Sequence[BlockHash]) -> int:
         """Metadata-only store: record the blocks as present, no tensors."""
         return self._store(hashes, lambda i: _NO_BLOCK)
 
-    def _store(self, hashes: Sequence[BlockHash], block_of: Callable[[int], torch.Tensor]) -> int:
+    def _store(self, hashes: Sequence[BlockHash], block_of: Callable[[int], torch.Tensor | None]) -> int:
         with self._lock:
             held = [[h in s.sizes for s in self._slots] for h in hashes]
         for k, slot in enumerate(self._slots):
@@ -288,16 +298,19 @@ class KVCacheManager:
                     row[k] = present
         num_new = 0
         for i, h in enumerate(hashes):
-            if any(held[i]):
-                if not self._targets_all():
-                    continue
+            new = not any(held[i])
+            if new:
+                targets = list(range(len(self._slots))) if self._targets_all() else [0]
+            elif self._targets_all():
                 targets = [k for k, hit in enumerate(held[i]) if not hit]
             else:
-                num_new += 1
-                targets = list(range(len(self._slots))) if self._targets_all() else [0]
+                continue
             if not targets:
                 continue
             block = block_of(i)
+            if block is None:
+                continue
+            num_new += new
             for k in targets:
                 self._insert(k, h, block)
         with self._lock:

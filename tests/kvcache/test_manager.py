@@ -59,6 +59,26 @@ def test_store_lookup_load_round_trip(tmp_path: Path) -> None:
         m.store("t", tokens, kv.to(torch.float16))
 
 
+def test_store_from_an_offset_writes_only_the_new_blocks(tmp_path: Path) -> None:
+    """An engine that restored a prefix passes only what it computed: the blocks before `kv_start`
+    are keyed (the chain needs them) but never written again."""
+    m, *_ = _stack(tmp_path, 16, 16)
+    tokens = list(range(40))
+    kv = make_kv(40)
+    assert m.store("t", tokens[:16], kv[:, :, :, :16]) == 4
+    assert m.store("t", tokens, kv[:, :, :, 16:], kv_start=16) == 6
+    result = m.lookup("t", tokens, pin=True)
+    loaded = m.load(result)
+    m.release(result)
+    whole = loaded.kv()
+    assert loaded.num_tokens == 40 and whole is not None and torch.equal(whole, kv)
+    # Without the prefix stored, blocks after kv_start are stored but unreachable: lookups are prefixes.
+    assert m.store("u", tokens, kv[:, :, :, 16:], kv_start=16) == 6
+    assert m.lookup("u", tokens).num_tokens == 0
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        m.store("t", tokens, kv[:, :, :, 3:], kv_start=3)
+
+
 def test_lookup_spans_tiers_and_promotes(tmp_path: Path) -> None:
     m, *_ = _stack(tmp_path, 2, 4)
     tokens = list(range(24))  # 6 blocks: device keeps 2, host 4, disk all
