@@ -104,7 +104,11 @@ class EngineBackend:
 
     async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
         gen = self._generation(path, body, salt)
-        result = await self.worker.generate(gen)
+        try:
+            result = await self.worker.generate(gen)
+        except asyncio.CancelledError:
+            gen.cancelled.set()  # the client left: stop the model at its next token
+            raise
         base = self._envelope(path)
         if path == CHAT:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
