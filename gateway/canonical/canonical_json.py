@@ -8,7 +8,7 @@ import orjson
 
 
 def canonical_json(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
 
 
 def sort_keys(value: Any) -> Any:

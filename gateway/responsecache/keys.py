@@ -18,7 +18,7 @@ import hashlib
 import re
 from typing import Any, NewType
 
-import orjson
+from gateway.canonical.canonical_json import canonical_json
 
 ExactKey = NewType("ExactKey", str)
 PartitionKey = NewType("PartitionKey", str)
@@ -26,10 +26,6 @@ PartitionKey = NewType("PartitionKey", str)
 NOT_IN_KEY = frozenset({"stream", "stream_options", "user", "metadata", "store", "kvgate"})
 NOT_IN_PARTITION = NOT_IN_KEY | {"temperature", "top_p", "seed", "max_tokens", "max_completion_tokens"}
 _WORD = re.compile(r"\w+", re.UNICODE)
-
-
-def canonical_json(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
 
 
 def _digest(*parts: Any) -> str:
