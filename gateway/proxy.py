@@ -99,7 +99,7 @@ class Proxy:
         usage = result.body.get("usage")
         if call.route != "embeddings" and isinstance(usage, dict):
             usage, accounted = self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)
-            raw = orjson.dumps({**result.body, "usage": usage})
+            raw = orjson.dumps({**result.body, "usage": usage, "kvgate": {"usage_source": accounted.source}})
             headers["x-kvgate-usage-source"] = accounted.source
         self._record(call, started, status=200, backend=backend, usage=usage, ttfb_s=ttfb, cache=cache_status)
         if lookup is not None and self._cache is not None:
@@ -118,6 +118,11 @@ class Proxy:
         def annotate(usage: dict[str, Any]) -> dict[str, Any]:
             return self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)[0]
 
+        def rewrite_usage_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
+            # The headers left before the usage was known: the chunk says where its numbers came from.
+            usage, accounted = self._accountant.finish(backend.name, call.model, chunk["usage"], route.matched_tokens)
+            return {**chunk, "usage": usage, "kvgate": {"usage_source": accounted.source}}
+
         outcome = StreamOutcome(started_s=started)
         storing = lookup is not None and self._cache is not None and lookup.controls.write
         if storing:
@@ -127,7 +132,7 @@ class Proxy:
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for event in relay_stream(stream, outcome, drop_usage_chunk=drop_usage,
-                                                annotate_usage=annotate):
+                                                rewrite_usage_chunk=rewrite_usage_chunk):
                     yield event
             finally:
                 error = outcome.error
@@ -143,8 +148,9 @@ class Proxy:
                     self._cache.store_later(lookup, assemble_stream(outcome.chunks or [], outcome.usage))
 
         headers = {**SSE_HEADERS, "x-request-id": call.request_id, **prepared.headers,
-                   "x-kvgate-usage-source": self._accountant.source_for(backend.name),
                    **(lookup.headers if lookup else {})}
+        if (source := self._accountant.source_for(backend.name)) is not None:
+            headers["x-kvgate-usage-source"] = source
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     def _record(

@@ -36,9 +36,9 @@ class StreamOutcome:
 
 async def relay_stream(
     stream: UpstreamStream, outcome: StreamOutcome, *, drop_usage_chunk: bool,
-    annotate_usage: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    rewrite_usage_chunk: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> AsyncIterator[bytes]:
-    """`annotate_usage` rewrites the usage chunk's `usage` (cache accounting) before it is sent."""
+    """`rewrite_usage_chunk` rewrites the usage chunk (cache accounting) before it is sent."""
     splitter = SSESplitter()
     try:
         async for chunk in stream.aiter_bytes():
@@ -73,8 +73,8 @@ async def relay_stream(
                 if _is_usage_only(payload, outcome):
                     if drop_usage_chunk:
                         continue
-                    if annotate_usage is not None and outcome.usage is not None:
-                        event = encode_event({**payload, "usage": annotate_usage(outcome.usage)})
+                    if rewrite_usage_chunk is not None:
+                        event = encode_event(rewrite_usage_chunk(payload))
                 if outcome.first_byte_s is None:
                     outcome.first_byte_s = time.perf_counter()
                 out.append(event)

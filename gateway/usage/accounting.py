@@ -81,9 +81,11 @@ class Accountant:
         self._prices = prices
         self._reports: dict[str, bool] = {}
 
-    def source_for(self, backend: str) -> str:
-        """The usage source a stream's headers can promise before its usage arrives."""
-        return UPSTREAM if self._reports.get(backend, True) else ESTIMATED
+    def source_for(self, backend: str) -> str | None:
+        """The usage source a stream's headers can promise before its usage arrives: what this
+        backend did last time; None before its first answer."""
+        reports = self._reports.get(backend)
+        return None if reports is None else (UPSTREAM if reports else ESTIMATED)
 
     def finish(self, backend: str, model: str, usage: Any, estimated_cached: int) -> tuple[dict[str, Any], Accounted]:
         usage = usage if isinstance(usage, dict) else {}

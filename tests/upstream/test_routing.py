@@ -150,6 +150,8 @@ def test_usage_reported_or_estimated(sqlite_url: str) -> None:
 
         final = json.loads(lines[-1][6:])
         assert final["choices"] == [] and final["usage"]["cache_read_input_tokens"] > 0
+        assert final["kvgate"] == {"usage_source": "estimated"}
+        assert r.headers["x-kvgate-usage-source"] == "estimated", "learned from this upstream's earlier answers"
         assert "cache_creation_input_tokens" in final["usage"]
 
 
