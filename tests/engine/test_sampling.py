@@ -8,7 +8,8 @@ from gateway.engine.sampling import SamplingParams, TextStream
 from tests.engine.test_restore import prompt_ids
 
 
-def run(loaded: LoadedModel, params: SamplingParams, text: str = "Write one sentence about the sea.") -> tuple[str, str]:
+def run(loaded: LoadedModel, params: SamplingParams,
+        text: str = "Write one sentence about the sea.") -> tuple[str, str]:
     runner = ModelRunner(loaded, None, layerwise_min_tokens=1 << 30)
     pieces: list[str] = []
     try:
