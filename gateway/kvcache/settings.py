@@ -63,7 +63,9 @@ class KVCacheSettings(BaseModel):
     redis_retry_backoff_max_s: float = Field(default=30.0, gt=0, description="Longest wait between Redis retries.")
     device_codec: CodecName = Field(default=CodecName.RAW, description="Codec of the device tier (raw only).")
     host_codec: CodecName = Field(default=CodecName.RAW, description="Codec of the host tier.")
-    disk_codec: CodecName = Field(default=CodecName.SHRINK_ZSTD, description="Codec of the disk tier.")
+    # lz4 on disk (decodes at ~2.7 GB/s, ratio 0.67 on bf16), zstd for Redis (the network is slower
+    # than either decoder, so the smaller ratio, 0.57, wins there).
+    disk_codec: CodecName = Field(default=CodecName.SHRINK_LZ4, description="Codec of the disk tier.")
     redis_codec: CodecName = Field(default=CodecName.SHRINK_ZSTD, description="Codec of the Redis tier.")
     zstd_level: int = Field(default=1, ge=-7, le=22, description="zstd level of the shrink-zstd codec.")
     write_policy: WritePolicy = Field(
