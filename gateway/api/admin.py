@@ -7,12 +7,12 @@ from starlette.responses import Response
 
 from gateway.api.body import read_json
 from gateway.api.deps import PrincipalDep, ServicesDep
+from gateway.api.responses import json_response
 from gateway.errors import InvalidField, NotFound, PermissionDenied
 from gateway.persistence.keys import Principal
 from gateway.responsecache.cache import ResponseCache
 from gateway.responsecache.store import PurgeFilter
 from gateway.services import Services
-from gateway.upstream.json import json_response
 
 router = APIRouter(prefix="/admin")
 

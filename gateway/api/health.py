@@ -7,7 +7,7 @@ from sqlalchemy import text
 from starlette.responses import Response
 
 from gateway.api.deps import ServicesDep
-from gateway.upstream.json import json_response
+from gateway.api.responses import json_response
 
 router = APIRouter()
 

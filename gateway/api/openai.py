@@ -9,11 +9,11 @@ from starlette.responses import Response
 
 from gateway.api.body import read_json, validate
 from gateway.api.deps import PrincipalDep, ServicesDep
+from gateway.api.responses import json_response
 from gateway.proxy import Call
 from gateway.responsecache.controls import read_controls
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.upstream.backend import JSONObject
-from gateway.upstream.json import json_response
 
 router = APIRouter(prefix="/v1")
 

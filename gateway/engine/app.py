@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway.api.body import read_json, validate
+from gateway.api.responses import json_response
 from gateway.engine.backend import CHAT, COMPLETIONS
 from gateway.engine.service import Engine, build_engine
 from gateway.errors import ModelNotFound, install_error_handlers
@@ -22,7 +23,6 @@ from gateway.observability.metrics import engine_metrics_response
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest
 from gateway.settings import Settings
 from gateway.upstream.http import SALT_HEADER
-from gateway.upstream.json import json_response
 from gateway.upstream.sse import DONE, encode_event
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}

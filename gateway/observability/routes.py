@@ -17,10 +17,10 @@ from starlette.responses import Response
 
 from gateway.api.auth import authenticate
 from gateway.api.deps import ServicesDep
+from gateway.api.responses import json_response
 from gateway.errors import InvalidField, NotFound, PermissionDenied
 from gateway.observability.metrics import Metrics
 from gateway.observability.summary import build_summary, parse_duration
-from gateway.upstream.json import json_response
 
 ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
