@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import orjson
 from starlette.responses import Response, StreamingResponse
 
@@ -129,11 +130,17 @@ class Proxy:
             outcome.chunks = []
         drop_usage = not call.include_usage
 
-        async def events() -> AsyncIterator[bytes]:
+        finished = False
+
+        async def finish() -> None:
+            """Runs once, when the stream ends or (from the response) when the client left before
+            the first byte: release the upstream, log the request, keep a complete answer."""
+            nonlocal finished
+            if finished:
+                return
+            finished = True
             try:
-                async for event in relay_stream(stream, outcome, drop_usage_chunk=drop_usage,
-                                                rewrite_usage_chunk=rewrite_usage_chunk):
-                    yield event
+                await stream.aclose()  # idempotent; the relay closes it too when it ran
             finally:
                 error = outcome.error
                 status = error.status_code if error else (200 if outcome.completed else 499)
@@ -147,11 +154,20 @@ class Proxy:
                 if storing and outcome.completed and error is None and lookup and self._cache:
                     self._cache.store_later(lookup, assemble_stream(outcome.chunks or [], outcome.usage))
 
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for event in relay_stream(stream, outcome, drop_usage_chunk=drop_usage,
+                                                rewrite_usage_chunk=rewrite_usage_chunk):
+                    yield event
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await finish()
+
         headers = {**SSE_HEADERS, "x-request-id": call.request_id, **prepared.headers,
                    **(lookup.headers if lookup else {})}
         if (source := self._accountant.source_for(backend.name)) is not None:
             headers["x-kvgate-usage-source"] = source
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return RelayResponse(events(), finish, media_type="text/event-stream", headers=headers)
 
     def _record(
         self,
@@ -188,6 +204,22 @@ class Proxy:
                 cache_creation_tokens=_int_or_none(usage.get("cache_creation_input_tokens")),
             )
         )
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that always runs `finish`, even when the client disconnects before the
+    body iterator was first advanced (a generator that never started never runs its `finally`)."""
+
+    def __init__(self, content: AsyncIterator[bytes], finish: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._finish = finish
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._finish()
 
 
 def _stream_body(call: Call, backend: Backend) -> JSONObject:
