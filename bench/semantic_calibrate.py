@@ -17,8 +17,9 @@ questions, if any, to serve. So it is trained on exactly that, not on QQP's labe
    candidate is right when it is the same question as `b` per the file (see
    `bench.semantic_eval.Duplicates`: the pair's own `a` with label 1, or a question the file's
    label-1 pairs link to `b`); everything else the retrieval brings up is a real negative.
-3. Model. A small gradient-boosted tree ensemble (sklearn, training only), exported as arrays
-   that the gateway evaluates with numpy.
+3. Model. A small gradient-boosted tree ensemble (sklearn, training only) over retrieval context
+   and lexical overlap, monotonic in cosine and the neighbour margins (`verifier.MONOTONIC`),
+   exported as arrays that the gateway evaluates with numpy.
 4. Calibration. On the validation caches, each query gets what `best_match` would serve (its most
    probable candidate); the curve maps a probability threshold to precision, recall and false-hit
    rate (wrong hits / lookups) under both metrics. The gateway takes the lowest threshold whose
@@ -42,7 +43,7 @@ import numpy as np
 from bench.semantic_eval import Duplicates, Pair, embed_texts, normalized, read_pairs
 from gateway.responsecache.embedder import load_model
 from gateway.responsecache.semantic import NUM_CANDIDATES
-from gateway.responsecache.verifier import WEIGHTS_PATH, Trees, candidate_features, hard_negative
+from gateway.responsecache.verifier import MONOTONIC, WEIGHTS_PATH, Trees, candidate_features, hard_negative
 
 MIN_COSINE = 0.75
 CACHE_PAIRS = 4000
@@ -106,8 +107,7 @@ def retrieval_examples(groups: list[list[Pair]], vectors: dict[str, np.ndarray],
                 cached = pairs[ids[rank]].a
                 if hard_negative(pair.b, cached) is not None:
                     continue
-                out.features.append(candidate_features(vectors[pair.b], stored[ids[rank]], pair.b, cached, rank,
-                                                       cosines, MIN_COSINE))
+                out.features.append(candidate_features(pair.b, cached, rank, cosines, MIN_COSINE))
                 out.own.append(pair.label == 1 and cached == pair.a)
                 out.right.append(dups.right(pair, cached))
                 out.query.append(out.queries)
@@ -198,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"train: {len(train)} pairs, {tr.queries} queries -> {len(y)} candidates ({y.mean():.2f} right); "
           f"validation: {len(valid)} pairs, {va.queries} queries -> {len(va.right)} candidates "
           f"[{time.monotonic() - started:.0f}s]", file=sys.stderr)
+    monotonic = [MONOTONIC.get(i, 0) for i in range(x.shape[1])]
     model = HistGradientBoostingClassifier(max_iter=args.trees, max_depth=args.depth, learning_rate=0.05,
-                                           l2_regularization=1.0, random_state=0).fit(x, y)
+                                           l2_regularization=1.0, monotonic_cst=monotonic,
+                                           random_state=0).fit(x, y)
     trees = export_trees(model)
     exported = Trees(trees)
     xv = np.stack(va.features)
