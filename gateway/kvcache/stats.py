@@ -91,10 +91,7 @@ class InstrumentedTier(Tier):
             self.counters.load_bytes_per_s = rate if old is None else old + _EWMA_WEIGHT * (rate - old)
 
     def get(self, block_hash: BlockHash) -> torch.Tensor | None:
-        result = self.get_many([block_hash])[0]
-        if isinstance(result, CorruptBlockError):
-            raise result
-        return result
+        return self._get_through_batch(block_hash)
 
     def get_many(self, block_hashes: Sequence[BlockHash]) -> list[Fetched]:
         start = time.perf_counter()

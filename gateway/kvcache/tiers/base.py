@@ -54,6 +54,13 @@ class Tier(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release connections and handles."""
 
+    def _get_through_batch(self, block_hash: BlockHash) -> torch.Tensor | None:
+        """`get` for tiers whose natural operation is the batched one (wrappers, Redis pipelines)."""
+        result = self.get_many([block_hash])[0]
+        if isinstance(result, CorruptBlockError):
+            raise result
+        return result
+
     def get_many(self, block_hashes: Sequence[BlockHash]) -> list[Fetched]:
         out: list[Fetched] = []
         for h in block_hashes:

@@ -131,10 +131,7 @@ class RedisTier(Tier):
         return self._call(run)
 
     def get(self, block_hash: BlockHash) -> torch.Tensor | None:
-        result = self.get_many([block_hash])[0]
-        if isinstance(result, CorruptBlockError):
-            raise result
-        return result
+        return self._get_through_batch(block_hash)
 
     def get_many(self, block_hashes: Sequence[BlockHash]) -> list[Fetched]:
         try:
