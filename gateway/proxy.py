@@ -150,14 +150,25 @@ class Proxy:
                     call, started, status=status, backend=backend, usage=usage,
                     ttfb_s=outcome.first_byte_s, error=error, cache=lookup.status if lookup else None,
                 )
-                # Only a stream that reached [DONE] without an error is an answer worth keeping.
-                if storing and outcome.completed and error is None and lookup and self._cache:
-                    self._cache.store_later(lookup, assemble_stream(outcome.chunks or [], outcome.usage))
+                keep()
+
+        kept = False
+
+        def keep() -> None:
+            """Only a stream that reached [DONE] without an error is an answer worth keeping. Runs
+            before [DONE] is sent, so that a client asking again the moment it has read [DONE]
+            is served from the cache (issue 15)."""
+            nonlocal kept
+            if not kept and storing and outcome.completed and outcome.error is None and lookup and self._cache:
+                kept = True
+                self._cache.store_later(lookup, assemble_stream(outcome.chunks or [], outcome.usage))
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for event in relay_stream(stream, outcome, drop_usage_chunk=drop_usage,
                                                 rewrite_usage_chunk=rewrite_usage_chunk):
+                    if outcome.completed:
+                        keep()
                     yield event
             finally:
                 with anyio.CancelScope(shield=True):
