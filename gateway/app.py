@@ -44,11 +44,23 @@ async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
 
         engine = await asyncio.to_thread(build_engine, settings.engine, settings.kvcache)
         backends.append(engine.backend)
+        backends.append(await build_embedding_backend())
     router = Router(backends, settings.routing)
     for upstream, backend in zip(settings.upstreams, backends, strict=False):
         if upstream.models:
             router.configure_models(backend, upstream.models)
     return router, engine
+
+
+async def build_embedding_backend() -> Backend:
+    """`/v1/embeddings` on the embedded default, by the embedding model the semantic cache loads
+    anyway (one copy per process)."""
+    from gateway.engine.embeddings import EmbeddingBackend
+    from gateway.responsecache.embedder import Embedder, load_model
+
+    model = await asyncio.to_thread(load_model)
+    # threads=0: leave torch's thread count to the engine and the response cache, which set it.
+    return EmbeddingBackend(model, Embedder(model, threads=0))
 
 
 def first_start_banner(keys: FirstKeys, settings: Settings, model_ids: list[str]) -> str:

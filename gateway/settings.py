@@ -20,7 +20,11 @@ from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.upstream.settings import RoutingSettings
-from gateway.usage.settings import UsageSettings
+from gateway.usage.settings import Price, UsageSettings
+
+# The model id of the embedded default's `/v1/embeddings` (gateway/engine/embeddings.py imports it
+# from here: that module imports torch, this one must not).
+LOCAL_EMBEDDING_MODEL_ID = "all-minilm-l6-v2"
 
 
 class UpstreamSettings(BaseModel):
@@ -99,6 +103,15 @@ class Settings(BaseSettings):
                 known.add(parsed.name)
         self.upstream = []
         return self
+
+    def price_for(self, model: str | None) -> Price | None:
+        """The configured price of a model; the default price for other remote models; None (not
+        priced) for the built-in engine's models, which run locally and cost nothing per token."""
+        if model is not None and model in self.usage.prices:
+            return self.usage.prices[model]
+        if model in (self.engine.served_model_name, LOCAL_EMBEDDING_MODEL_ID):
+            return None
+        return self.usage.default_price
 
     def is_loopback(self) -> bool:
         if self.host == "localhost":

@@ -57,7 +57,14 @@ class EngineBackend:
     def _prompt_ids(self, path: str, body: JSONObject) -> list[int]:
         if path == CHAT:
             if body.get("tools") and body.get("tool_choice") != "none":
-                raise InvalidRequest("the built-in engine's model does not support tools", param="tools")
+                # SmolLM2-135M-Instruct's chat template has no tool syntax and the model was not
+                # trained to call tools: a refusal is honest, a made-up call format would not be.
+                raise InvalidRequest(
+                    f"the built-in engine's model ({self.model_id}) cannot call tools: its chat template has no "
+                    "tool syntax. Send requests with tools to an upstream that supports them "
+                    "(kvgate serve --upstream NAME=BASE_URL), or set tool_choice to 'none'",
+                    param="tools", code="tools_not_supported",
+                )
             messages = [{"role": m.get("role"), "content": _text_of(m.get("content"))} for m in body["messages"]]
             rendered = self._tokenizer.apply_chat_template(  # type: ignore[attr-defined]
                 messages, add_generation_prompt=True, tokenize=True
