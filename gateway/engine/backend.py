@@ -15,6 +15,7 @@ from gateway.engine.runner import EngineWorker, Generation, GenerationResult
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.settings import EngineSettings
 from gateway.errors import InvalidRequest, RateLimited
+from gateway.settings import LOCAL_EMBEDDING_MODEL_ID
 from gateway.upstream.backend import JSONObject, UpstreamJSON
 from gateway.upstream.sse import encode_done, encode_event
 
@@ -81,6 +82,9 @@ class EngineBackend:
         raise InvalidRequest("the built-in engine takes one prompt per request", param="prompt")
 
     def _generation(self, path: str, body: JSONObject, salt: str) -> Generation:
+        if path not in (CHAT, COMPLETIONS):
+            raise InvalidRequest(f"{self.model_id} is a chat model and cannot serve {path}; for embeddings ask for "
+                                 f"model {LOCAL_EMBEDDING_MODEL_ID!r}", param="model")
         if (body.get("n") or 1) != 1:
             raise InvalidRequest("the built-in engine supports n=1 only", param="n")
         prompt_ids = self._prompt_ids(path, body)
