@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.canonical.settings import CanonicalSettings
+from gateway.pipeline.compaction import CompactionSettings
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
@@ -81,6 +82,7 @@ class Settings(BaseSettings):
     kvcache: KVCacheSettings = Field(default_factory=KVCacheSettings)
     responsecache: ResponseCacheSettings = Field(default_factory=ResponseCacheSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    compaction: CompactionSettings = Field(default_factory=CompactionSettings)
 
     @field_validator("upstream", mode="before")
     @classmethod
