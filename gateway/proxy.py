@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from gateway.canonical.prepare import Prepared, Preparer
 from gateway.errors import GatewayError
 from gateway.persistence.keys import Principal
+from gateway.persistence.request_log import RequestLogWriter, RequestRecord
 from gateway.pipeline.compaction import (
     HOW_TO_OPT_IN,
     Compaction,
@@ -29,7 +30,6 @@ from gateway.pipeline.compaction import (
     is_context_overflow,
     summary_text,
 )
-from gateway.persistence.request_log import RequestLogWriter, RequestRecord
 from gateway.responsecache.cache import Lookup, ResponseCache
 from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.replay import assemble_stream

@@ -15,10 +15,10 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.canonical.settings import CanonicalSettings
-from gateway.pipeline.compaction import CompactionSettings
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
+from gateway.pipeline.compaction import CompactionSettings
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.upstream.settings import RoutingSettings
 from gateway.usage.settings import UsageSettings
