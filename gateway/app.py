@@ -116,7 +116,7 @@ def create_app(settings: Settings) -> FastAPI:
             router=router,
             proxy=Proxy(router, request_log, response_cache,
                         preparer=Preparer(settings.canonical, settings.routing, on_break=on_break),
-                        accountant=Accountant(settings.usage.prices)),
+                        accountant=Accountant(settings.usage.prices), compaction=settings.compaction),
             response_cache=response_cache,
         )
         try:

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "prefix-stability": "bench.prefix_stability",
     "routing": "bench.routing",
     "cache-latency": "bench.cache_latency",
+    "agent-session": "bench.agent_session",
 }
 EVALS = {"semantic": "bench.semantic_eval"}
 T = TypeVar("T")

@@ -18,6 +18,7 @@ from gateway.canonical.settings import CanonicalSettings
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
+from gateway.pipeline.compaction import CompactionSettings
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.upstream.settings import RoutingSettings
 from gateway.usage.settings import Price, UsageSettings
@@ -85,6 +86,7 @@ class Settings(BaseSettings):
     kvcache: KVCacheSettings = Field(default_factory=KVCacheSettings)
     responsecache: ResponseCacheSettings = Field(default_factory=ResponseCacheSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    compaction: CompactionSettings = Field(default_factory=CompactionSettings)
 
     @field_validator("upstream", mode="before")
     @classmethod
