@@ -8,7 +8,6 @@ The CLI flags of `kvgate serve` override the same fields.
 from __future__ import annotations
 
 import ipaddress
-from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -122,8 +121,3 @@ class Settings(BaseSettings):
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
-
-    @property
-    def sqlite_path(self) -> Path | None:
-        prefix = "sqlite+aiosqlite:///"
-        return Path(self.database_url[len(prefix):]) if self.database_url.startswith(prefix) else None
