@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -18,6 +19,7 @@ class Sample:
     status: int
     latency_s: float
     first_byte_s: float
+    cache: str | None = None  # kvgate's x-kvgate-cache header: hit, semantic_hit, miss, ...
 
 
 @dataclass(slots=True)
@@ -47,7 +49,7 @@ class Connection:
         self.writer.write(request)
         status_line = await self.reader.readline()
         status = int(status_line.split()[1])
-        length, chunked = None, False
+        length, chunked, cache = None, False, None
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode().partition(":")
             name = name.lower()
@@ -55,6 +57,8 @@ class Connection:
                 length = int(value)
             elif name == "transfer-encoding" and "chunked" in value:
                 chunked = True
+            elif name == "x-kvgate-cache":
+                cache = value.strip()
         first_byte = None
         if length is not None:
             await self.reader.readexactly(length)
@@ -68,15 +72,18 @@ class Connection:
                 if size == 0:
                     break
         ended = time.perf_counter()
-        return Sample(status, ended - started, (first_byte or ended) - started)
+        return Sample(status, ended - started, (first_byte or ended) - started, cache)
 
     async def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
 
 
-async def run_load(url: str, body: bytes, headers: dict[str, str], *, concurrency: int, num_requests: int) -> RunResult:
+async def run_load(url: str, body: bytes | Callable[[], bytes], headers: dict[str, str], *, concurrency: int,
+                   num_requests: int) -> RunResult:
+    """`body` is the same bytes for every request, or a function called for each (unique requests)."""
     result = RunResult()
+    next_body = body if callable(body) else (lambda: body)
     remaining = num_requests
 
     async def worker() -> None:
@@ -86,7 +93,7 @@ async def run_load(url: str, body: bytes, headers: dict[str, str], *, concurrenc
             while remaining > 0:
                 remaining -= 1
                 try:
-                    sample = await conn.post(body)
+                    sample = await conn.post(next_body())
                 except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
                     result.errors += 1
                     await conn.close()

@@ -1,9 +1,18 @@
 """`kvgate bench overhead`: what a gateway adds on top of its upstream.
 
-The same fake upstream (tests/fake_upstream.py) is reached directly, through kvgate (auth on,
-request log on, SQLite) and through the LiteLLM proxy when it is installed, at concurrency 1 and
-32, streaming and not. Each server runs in its own process with one worker; the load generator
-is a raw-asyncio client in this process. Numbers are relative: read the ratios.
+The same fake upstream (tests/fake_upstream.py) is reached directly, through a bare FastAPI + httpx
+passthrough (bench/bare_proxy.py: the least a Python proxy does), through kvgate (auth on, request
+log on, SQLite, exact and semantic cache on) and through the LiteLLM proxy when it is installed, at
+concurrency 1 and 32, streaming and not. Every request is unique (`kvgate miss`: exact lookup,
+embedding + semantic lookup, forward, store, log); the `kvgate hit` rows repeat one request so
+the exact cache answers. The x-kvgate-cache column counts what kvgate said it did.
+
+Each server runs in its own process with one worker; the load generator is a raw-asyncio client in
+this process. Rounds are interleaved across paths (the machine's load drifts) and the medians over
+rounds are printed. CPU per request is the server process tree's user+system CPU time over the
+measured requests; RSS is read at the end of the concurrency-32 runs. The embedder's share of RSS
+is measured in a separate process (its model loaded and run once over a process that imported
+kvgate). Numbers are relative: read the ratios.
 """
 
 from __future__ import annotations
@@ -12,14 +21,17 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -27,8 +39,44 @@ import httpx
 from bench.loadgen import RunResult, run_load
 
 REPO = Path(__file__).resolve().parents[1]
-BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 16}
+QUESTION = "What is the capital of France?"
+# Unique prompts from random words: different enough that no semantic neighbour can answer them.
+WORDS = [
+    "river", "mountain", "engine", "protocol", "violin", "harvest", "glacier", "lantern", "compiler", "orbit",
+    "meadow", "tariff", "falcon", "quartz", "ledger", "monsoon", "pixel", "canyon", "sonnet", "reactor", "pepper",
+    "harbor", "circuit", "tundra", "fresco", "magnet", "saddle", "voltage", "lagoon", "cipher", "bamboo", "prism",
+    "caravan", "nebula", "granite", "orchard", "beacon",
+]
+EMBEDDER_RSS = """
+import os, sys
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS:'):
+            return int(line.split()[1]) * 1024
+import gateway.app, gateway.responsecache.cache
+before = rss()
+from gateway.responsecache.embedder import encode, load_model
+encode(load_model(), ['warm up the embedder once'])
+print(rss() - before, before)
+"""
+
+
+@dataclass(slots=True)
+class Target:
+    name: str
+    base: str
+    headers: dict[str, str]
+    pid: int
+    unique: bool = True
+
+
+@dataclass(slots=True)
+class Cell:
+    """One (path, concurrency, stream) cell over all rounds."""
+
+    results: list[RunResult] = field(default_factory=list)
+    cpu_s: float = 0.0
+    rss_bytes: int = 0
 
 
 def _free_port() -> int:
@@ -42,7 +90,8 @@ def _free_port() -> int:
 @contextmanager
 def _process(
     cmd: list[str], ready_url: str, env: dict[str, str] | None = None, timeout_s: float = 120
-) -> Iterator[None]:
+) -> Iterator[int]:
+    """Start a server, wait until `ready_url` answers, yield its pid."""
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -59,7 +108,7 @@ def _process(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{cmd} did not start")
             time.sleep(0.3)
-        yield
+        yield proc.pid
     finally:
         proc.terminate()
         try:
@@ -74,21 +123,86 @@ def _uvicorn(factory: str, port: int) -> list[str]:
             "--no-access-log", "--loop", "uvloop", "--http", "httptools"]
 
 
+def _tree(pid: int) -> list[int]:
+    """The pid and its descendants (LiteLLM's proxy runs its server in a child)."""
+    pids, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        pids.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            todo.extend(int(child) for child in task.read_text().split())
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process tree, from /proc/PID/stat."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for member in _tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15 of stat)
+    return total
+
+
+def rss_bytes(pid: int) -> int:
+    total = 0
+    for member in _tree(pid):
+        try:
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except FileNotFoundError:
+            continue
+    return total
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _row(path: str, concurrency: int, stream: bool, result: RunResult) -> dict[str, object]:
-    latencies = [s.latency_s * 1000 for s in result.samples]
-    first = [s.first_byte_s * 1000 for s in result.samples]
+def _bodies(stream: bool, unique: bool) -> Callable[[], bytes]:
+    base = {"model": "fake-model", "max_tokens": 16, "temperature": 0, "stream": stream}
+    if not unique:
+        fixed = json.dumps({**base, "messages": [{"role": "user", "content": QUESTION}]}).encode()
+        return lambda: fixed
+    rng = random.Random(time.time_ns())
+
+    def unique_body() -> bytes:
+        words = " ".join(rng.choices(WORDS, k=12))
+        content = f"{rng.getrandbits(64):x}: tell me about {words}"
+        return json.dumps({**base, "messages": [{"role": "user", "content": content}]}).encode()
+
+    return unique_body
+
+
+def _row(name: str, concurrency: int, stream: bool, cell: Cell) -> dict[str, object]:
+    """Medians over rounds of each round's p50 / p99 / rps."""
+    def median(values: list[float]) -> float | None:
+        return round(statistics.median(values), 3) if values else None
+
+    p50, p99, ttfb, rps, caches = [], [], [], [], Counter[str]()
+    requests = errors = 0
+    for result in cell.results:
+        latencies = [s.latency_s * 1000 for s in result.samples]
+        requests += len(latencies)
+        errors += result.errors
+        caches.update(s.cache or "-" for s in result.samples)
+        if latencies:
+            p50.append(statistics.median(latencies))
+            p99.append(_percentile(latencies, 0.99))
+            ttfb.append(statistics.median([s.first_byte_s * 1000 for s in result.samples]))
+            rps.append(len(latencies) / result.elapsed_s)
     return {
-        "path": path, "concurrency": concurrency, "stream": stream, "requests": len(latencies),
-        "errors": result.errors,
-        "p50_ms": round(statistics.median(latencies), 3) if latencies else None,
-        "p99_ms": round(_percentile(latencies, 0.99), 3) if latencies else None,
-        "ttfb_p50_ms": round(statistics.median(first), 3) if first else None,
-        "rps": round(len(latencies) / result.elapsed_s, 1) if result.elapsed_s else None,
+        "path": name, "concurrency": concurrency, "stream": stream, "requests": requests, "errors": errors,
+        "p50_ms": median(p50), "p99_ms": median(p99), "ttfb_p50_ms": median(ttfb),
+        "rps": round(statistics.median(rps), 1) if rps else None,
+        "cpu_ms_per_request": round(cell.cpu_s * 1000 / requests, 3) if requests else None,
+        "rss_mb": round(cell.rss_bytes / 2**20) if cell.rss_bytes else None,
+        "cache": ",".join(f"{k}={v}" for k, v in sorted(caches.items())),
     }
 
 
@@ -100,61 +214,94 @@ def _find_litellm(given: str | None) -> str | None:
     return next((c for c in candidates if c and Path(c).exists()), None)
 
 
+def _embedder_rss() -> tuple[int, int] | None:
+    """(bytes the embedder adds, bytes of a process that imported kvgate) or None if it failed."""
+    done = subprocess.run([sys.executable, "-c", EMBEDDER_RSS], cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        return None
+    added, before = done.stdout.split()[-2:]
+    return int(added), int(before)
+
+
+def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str]) -> list[Target]:
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    fake_port, bare_port, gw_port = _free_port(), _free_port(), _free_port()
+    fake_pid = stack.enter_context(_process(_uvicorn("tests.fake_upstream:create_fake_upstream", fake_port),
+                                            f"http://127.0.0.1:{fake_port}/v1/models"))
+    fake = f"http://127.0.0.1:{fake_port}/v1"
+    bare_pid = stack.enter_context(_process(_uvicorn("bench.bare_proxy:create_app", bare_port),
+                                            f"http://127.0.0.1:{bare_port}/v1/models", env={"BARE_UPSTREAM": fake}))
+    db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
+    key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
+                          "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
+    gw_pid = stack.enter_context(_process(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(gw_port), "--upstream", f"fake={fake}",
+         "--database-url", db], f"http://127.0.0.1:{gw_port}/readyz", timeout_s=400,
+        env={"KVGATE_LOG_LEVEL": "warning"}))
+    auth = {"authorization": f"Bearer {key}"}
+    paths = [Target("direct", fake, {}, fake_pid),
+             Target("bare proxy", f"http://127.0.0.1:{bare_port}/v1", {}, bare_pid),
+             Target("kvgate miss", f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid),
+             Target("kvgate hit", f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid, unique=False)]
+    if args.no_litellm:
+        notes.append("litellm rows skipped (--no-litellm)")
+    elif (litellm := _find_litellm(args.litellm)) is None:
+        notes.append("litellm rows skipped: install litellm[proxy] into .venv-litellm (or pass --litellm PATH)")
+    else:
+        ll_port = _free_port()
+        config = tmp / "litellm.yaml"
+        config.write_text(
+            "model_list:\n  - model_name: fake-model\n    litellm_params:\n      model: openai/fake-model\n"
+            f"      api_base: {fake}\n      api_key: sk-fake\n"
+            "litellm_settings:\n  drop_params: true\n  telemetry: false\n")
+        ll_pid = stack.enter_context(_process(
+            [litellm, "--config", str(config), "--port", str(ll_port), "--num_workers", "1"],
+            f"http://127.0.0.1:{ll_port}/health/liveliness", timeout_s=240,
+            env={"LITELLM_MASTER_KEY": "sk-bench", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                 "LITELLM_TELEMETRY": "False", "LITELLM_LOG": "ERROR"}))
+        paths.append(Target("litellm", f"http://127.0.0.1:{ll_port}/v1", {"authorization": "Bearer sk-bench"}, ll_pid))
+    return paths
+
+
+def _measure(paths: list[Target], args: argparse.Namespace) -> dict[tuple[str, int, bool], Cell]:
+    cells: dict[tuple[str, int, bool], Cell] = {}
+    plan = [(stream, c, n) for stream in (False, True) for c, n in ((1, args.requests_c1), (32, args.requests_c32))]
+    for stream, concurrency, count in plan:
+        for path in paths:  # warm-up, not measured
+            asyncio.run(run_load(path.base + "/chat/completions", _bodies(stream, path.unique), path.headers,
+                                 concurrency=concurrency, num_requests=min(50, count)))
+        for _ in range(args.rounds):
+            for path in paths:
+                cell = cells.setdefault((path.name, concurrency, stream), Cell())
+                cpu_before = cpu_seconds(path.pid)
+                cell.results.append(asyncio.run(run_load(
+                    path.base + "/chat/completions", _bodies(stream, path.unique), path.headers,
+                    concurrency=concurrency, num_requests=count)))
+                cell.cpu_s += cpu_seconds(path.pid) - cpu_before
+                if concurrency == 32:
+                    cell.rss_bytes = max(cell.rss_bytes, rss_bytes(path.pid))
+    return cells
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvgate bench overhead")
+    parser = argparse.ArgumentParser(prog="kvgate bench overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--requests-c1", type=int, default=300)
-    parser.add_argument("--requests-c32", type=int, default=1500)
+    parser.add_argument("--requests-c1", type=int, default=200)
+    parser.add_argument("--requests-c32", type=int, default=800)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (medians printed)")
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--litellm", help="path of the litellm proxy command")
     args = parser.parse_args(argv)
 
     notes: list[str] = []
     with ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        fake_port, gw_port = _free_port(), _free_port()
-        stack.enter_context(_process(_uvicorn("tests.fake_upstream:create_fake_upstream", fake_port),
-                                     f"http://127.0.0.1:{fake_port}/v1/models"))
-        fake = f"http://127.0.0.1:{fake_port}/v1"
-        db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
-        key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
-                              "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
-        stack.enter_context(_process(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(gw_port), "--upstream", f"fake={fake}",
-             "--database-url", db], f"http://127.0.0.1:{gw_port}/readyz",
-            env={"KVGATE_LOG_LEVEL": "warning"}))
-        paths = {"direct": (fake, {}), "kvgate": (f"http://127.0.0.1:{gw_port}/v1", {"authorization": f"Bearer {key}"})}
-
-        if args.no_litellm:
-            notes.append("litellm column skipped (--no-litellm)")
-        elif (litellm := _find_litellm(args.litellm)) is None:
-            notes.append("litellm column skipped: install the bench extra (pip install -e '.[bench]') "
-                         "or litellm[proxy] into .venv-litellm")
-        else:
-            ll_port = _free_port()
-            config = tmp / "litellm.yaml"
-            config.write_text(
-                "model_list:\n  - model_name: fake-model\n    litellm_params:\n      model: openai/fake-model\n"
-                f"      api_base: {fake}\n      api_key: sk-fake\n"
-                "litellm_settings:\n  drop_params: true\n  telemetry: false\n")
-            stack.enter_context(_process(
-                [litellm, "--config", str(config), "--port", str(ll_port), "--num_workers", "1"],
-                f"http://127.0.0.1:{ll_port}/health/liveliness", timeout_s=240,
-                env={"LITELLM_MASTER_KEY": "sk-bench", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-                     "LITELLM_TELEMETRY": "False", "LITELLM_LOG": "ERROR"}))
-            paths["litellm"] = (f"http://127.0.0.1:{ll_port}/v1", {"authorization": "Bearer sk-bench"})
-
-        rows = []
-        for stream in (False, True):
-            body = json.dumps({**BODY, "stream": stream}).encode()
-            for concurrency, count in ((1, args.requests_c1), (32, args.requests_c32)):
-                for name, (base, headers) in paths.items():
-                    url = base + "/chat/completions"
-                    asyncio.run(run_load(url, body, headers, concurrency=concurrency, num_requests=50))
-                    result = asyncio.run(run_load(url, body, headers, concurrency=concurrency, num_requests=count))
-                    rows.append(_row(name, concurrency, stream, result))
-
+        paths = _start_servers(stack, args, notes)
+        cells = _measure(paths, args)
+    rows = [_row(name, c, stream, cell) for (name, c, stream), cell in cells.items()]
     _add_ratios(rows)
+    if (embedder := _embedder_rss()) is not None:
+        notes.append(f"embedder (all-MiniLM-L6-v2, loaded and run once) adds {embedder[0] / 2**20:.0f} MB RSS "
+                     f"to a process that imported kvgate ({embedder[1] / 2**20:.0f} MB)")
     if args.json:
         print(json.dumps({"rows": rows, "notes": notes}))
     else:
@@ -164,22 +311,30 @@ def main(argv: list[str]) -> int:
 
 def _add_ratios(rows: list[dict[str, object]]) -> None:
     by_key = {(r["path"], r["concurrency"], r["stream"]): r for r in rows}
+
+    def ratio(row: dict[str, object], other: str, field_: str) -> float | None:
+        base = by_key.get((other, row["concurrency"], row["stream"]))
+        if not base or not base[field_] or row[field_] is None:
+            return None
+        return round(float(row[field_]) / float(base[field_]), 2)  # type: ignore[arg-type]
+
     for row in rows:
         direct = by_key[("direct", row["concurrency"], row["stream"])]
         row["added_p50_ms"] = round(float(row["p50_ms"]) - float(direct["p50_ms"]), 3)  # type: ignore[arg-type]
         row["added_ttfb_p50_ms"] = round(float(row["ttfb_p50_ms"]) - float(direct["ttfb_p50_ms"]), 3)  # type: ignore[arg-type]
-        litellm = by_key.get(("litellm", row["concurrency"], row["stream"]))
-        row["rps_vs_litellm"] = round(float(row["rps"]) / float(litellm["rps"]), 2) if litellm else None  # type: ignore[arg-type]
+        row["rps_vs_bare"] = ratio(row, "bare proxy", "rps")
+        row["rps_vs_litellm"] = ratio(row, "litellm", "rps")
+        row["cpu_vs_bare"] = ratio(row, "bare proxy", "cpu_ms_per_request")
 
 
 def _print_table(rows: list[dict[str, object]], notes: list[str]) -> None:
-    header = ("path", "conc", "stream", "p50 ms", "p99 ms", "added p50", "ttfb p50", "added ttfb", "rps",
-              "rps/litellm", "errors")
+    header = ("path", "conc", "stream", "p50 ms", "p99 ms", "added p50", "added ttfb", "rps", "rps/bare",
+              "rps/litellm", "cpu ms/req", "cpu/bare", "rss MB", "x-kvgate-cache", "errors")
+    keys = ("path", "concurrency", "stream", "p50_ms", "p99_ms", "added_p50_ms", "added_ttfb_p50_ms", "rps",
+            "rps_vs_bare", "rps_vs_litellm", "cpu_ms_per_request", "cpu_vs_bare", "rss_mb", "cache", "errors")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
-        cells = (r["path"], r["concurrency"], r["stream"], r["p50_ms"], r["p99_ms"], r["added_p50_ms"],
-                 r["ttfb_p50_ms"], r["added_ttfb_p50_ms"], r["rps"], r["rps_vs_litellm"] or "-", r["errors"])
-        print("| " + " | ".join(str(c) for c in cells) + " |")
+        print("| " + " | ".join("-" if r[k] is None else str(r[k]) for k in keys) + " |")
     for note in notes:
         print(f"note: {note}")
