@@ -115,7 +115,8 @@ def create_app(settings: Settings) -> FastAPI:
             request_log=request_log,
             router=router,
             proxy=Proxy(router, request_log, response_cache,
-                        preparer=Preparer(settings.canonical, settings.routing, on_break=on_break),
+                        preparer=Preparer(settings.canonical, encoding=settings.routing.encoding,
+                                          block_tokens=settings.routing.block_tokens, on_break=on_break),
                         accountant=Accountant(settings.usage.prices), compaction=settings.compaction),
             response_cache=response_cache,
         )

@@ -13,6 +13,7 @@
     └── UpstreamError                 502 upstream_error
         ├── UpstreamTimeout           504 upstream_error
         ├── UpstreamUnavailable       502 upstream_error (connect failed, no upstream left)
+        │   └── UpstreamConnectError  502 upstream_error (nothing reached it: safe to fail over)
         ├── UpstreamProtocolError     502 upstream_error (garbage where JSON or SSE was due)
         └── UpstreamStatusError       the upstream's own status and message
 
@@ -118,6 +119,10 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamUnavailable(UpstreamError):
     code = "upstream_unavailable"
+
+
+class UpstreamConnectError(UpstreamUnavailable):
+    """Nothing reached the upstream: safe to retry or fail over (any backend may raise it)."""
 
 
 class UpstreamProtocolError(UpstreamError):

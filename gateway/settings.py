@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Annotated
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.canonical.settings import CanonicalSettings
@@ -19,41 +19,13 @@ from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
 from gateway.pipeline.compaction import CompactionSettings
 from gateway.responsecache.settings import ResponseCacheSettings
-from gateway.upstream.settings import RoutingSettings
+from gateway.upstream.settings import RoutingSettings, UpstreamSettings, parse_upstream_flag
 from gateway.usage.settings import Price, UsageSettings
 
 # The model id of the embedded default's `/v1/embeddings` (gateway/engine/embeddings.py imports it
 # from here: that module imports torch, this one must not).
 LOCAL_EMBEDDING_MODEL_ID = "all-minilm-l6-v2"
-
-
-class UpstreamSettings(BaseModel):
-    """One OpenAI-compatible backend kvgate forwards to."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    base_url: str
-    api_key_env: str | None = None
-    models: list[str] = Field(default_factory=list)
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 600.0
-    inject_stream_usage: bool = True
-    # A kvgate engine (`kvgate engine`): send it the tenant's KV salt so tenants keep separate blocks.
-    send_cache_salt: bool = False
-
-    @field_validator("base_url")
-    @classmethod
-    def _strip_slash(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {value!r}")
-        return value.rstrip("/")
-
-
-def parse_upstream_flag(spec: str) -> UpstreamSettings:
-    """Parse `NAME=BASE_URL` (the `--upstream` flag) into an upstream."""
-    name, sep, url = spec.partition("=")
-    if not sep or not name or not url:
-        raise ValueError(f"--upstream expects NAME=BASE_URL, got {spec!r}")
-    return UpstreamSettings(name=name, base_url=url)
+__all__ = ["LOCAL_EMBEDDING_MODEL_ID", "Settings", "UpstreamSettings", "parse_upstream_flag"]
 
 
 class Settings(BaseSettings):

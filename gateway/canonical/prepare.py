@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.canonical.diagnostics import PrefixTracker, session_key
+from gateway.canonical.fingerprints import PrefixBlock, prefix_blocks
 from gateway.canonical.rules import canonicalize
 from gateway.canonical.settings import CanonicalSettings
-from gateway.upstream.prefix_index import PrefixBlock, prefix_blocks
-from gateway.upstream.settings import RoutingSettings
 from gateway.usage.tokens import get_encoding, render_prompt
 
 
@@ -26,13 +25,14 @@ class Prepared:
 
 
 class Preparer:
-    def __init__(self, canonical: CanonicalSettings, routing: RoutingSettings,
+    def __init__(self, canonical: CanonicalSettings, *, encoding: str, block_tokens: int,
                  on_break: Callable[[str, str, str | None], None] | None = None) -> None:
-        """`on_break(reason, tenant, model)` is told of every prefix break (metrics, dashboard)."""
+        """`encoding`, `block_tokens`: how prompts are cut into prefix blocks (the router's settings).
+        `on_break(reason, tenant, model)` is told of every prefix break (metrics, dashboard)."""
         self._canonical = canonical
-        self._routing = routing
+        self._block_tokens = block_tokens
         self._tracker = PrefixTracker(canonical.track_sessions)
-        self._encoding = get_encoding(routing.encoding)
+        self._encoding = get_encoding(encoding)
         self._on_break = on_break
 
     def prepare(self, tenant: str, body: dict[str, Any], *, chat: bool, session: str | None) -> Prepared:
@@ -55,5 +55,5 @@ class Preparer:
                 for reason in [*prepared.breaks, *prepared.layout]:
                     self._on_break(reason, tenant, body.get("model"))
         ids = self._encoding.encode(render_prompt(prepared.body), disallowed_special=())
-        prepared.blocks = prefix_blocks(ids, self._routing.block_tokens)
+        prepared.blocks = prefix_blocks(ids, self._block_tokens)
         return prepared

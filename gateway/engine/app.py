@@ -22,9 +22,9 @@ from gateway.errors import ModelNotFound, install_error_handlers
 from gateway.observability.kv_tiers import KV_TIERS_PATH, tier_rows
 from gateway.observability.metrics import engine_metrics_response
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest
+from gateway.schemas.sse import DONE, encode_event
 from gateway.settings import Settings
 from gateway.upstream.http import SALT_HEADER
-from gateway.upstream.sse import DONE, encode_event
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 

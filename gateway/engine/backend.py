@@ -15,9 +15,9 @@ from gateway.engine.runner import EngineWorker, Generation, GenerationResult
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.settings import EngineSettings
 from gateway.errors import InvalidRequest, RateLimited
+from gateway.schemas.sse import encode_done, encode_event
 from gateway.settings import LOCAL_EMBEDDING_MODEL_ID
 from gateway.upstream.backend import JSONObject, UpstreamJSON
-from gateway.upstream.sse import encode_done, encode_event
 
 CHAT, COMPLETIONS = "/chat/completions", "/completions"
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.upstream.sse import encode_done, encode_event
+from gateway.schemas.sse import encode_done, encode_event
 
 COMPLETE_REASONS = frozenset({"stop", "tool_calls"})
 _PIECE = re.compile(r"\s*\S+\s*|\s+")

@@ -18,16 +18,18 @@ from contextlib import contextmanager
 import aiohttp
 import orjson
 
-from gateway.errors import UpstreamProtocolError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
-from gateway.settings import UpstreamSettings
+from gateway.errors import (
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from gateway.upstream.backend import JSONObject, UpstreamJSON
+from gateway.upstream.settings import UpstreamSettings
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
 SALT_HEADER = "x-kvgate-cache-salt"
-
-
-class UpstreamConnectError(UpstreamUnavailable):
-    """Nothing reached the upstream: safe to retry or fail over."""
 
 
 @contextmanager

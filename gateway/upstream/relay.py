@@ -16,8 +16,9 @@ import anyio
 import orjson
 
 from gateway.errors import GatewayError, UpstreamProtocolError
+from gateway.schemas.sse import DONE, encode_event
 from gateway.upstream.backend import UpstreamStream
-from gateway.upstream.sse import DONE, SSESplitter, encode_event, event_data
+from gateway.upstream.sse import SSESplitter, event_data
 
 
 @dataclass(slots=True)

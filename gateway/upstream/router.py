@@ -19,10 +19,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from gateway.errors import GatewayError, ModelNotFound, UpstreamError, UpstreamStatusError, UpstreamUnavailable
+from gateway.errors import (
+    GatewayError,
+    ModelNotFound,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamUnavailable,
+)
 from gateway.upstream.backend import Backend, JSONObject
 from gateway.upstream.health import UpstreamHealth
-from gateway.upstream.http import UpstreamConnectError
 from gateway.upstream.prefix_index import PrefixBlock, PrefixIndex
 from gateway.upstream.settings import RoutingSettings, Strategy
 

@@ -1,10 +1,11 @@
-"""Settings of the router (`settings.routing`, env `KVGATE_ROUTING__<FIELD>`)."""
+"""Settings of the upstream package: the router (`settings.routing`, env `KVGATE_ROUTING__<FIELD>`)
+and each upstream (`settings.upstreams`, or `--upstream NAME=BASE_URL`)."""
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 
 class Strategy(StrEnum):
@@ -27,3 +28,32 @@ class RoutingSettings(BaseModel):
     failure_threshold: int = Field(default=3, ge=1, description="Failures in a row that open the circuit.")
     cooldown_s: float = Field(default=10.0, gt=0, description="Seconds an open circuit waits before one probe.")
     connect_retries: int = Field(default=1, ge=0, description="Retries of a failed connect on the same upstream.")
+
+
+class UpstreamSettings(BaseModel):
+    """One OpenAI-compatible backend kvgate forwards to."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    base_url: str
+    api_key_env: str | None = None
+    models: list[str] = Field(default_factory=list)
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    inject_stream_usage: bool = True
+    # A kvgate engine (`kvgate engine`): send it the tenant's KV salt so tenants keep separate blocks.
+    send_cache_salt: bool = False
+
+    @field_validator("base_url")
+    @classmethod
+    def _strip_slash(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {value!r}")
+        return value.rstrip("/")
+
+
+def parse_upstream_flag(spec: str) -> UpstreamSettings:
+    """Parse `NAME=BASE_URL` (the `--upstream` flag) into an upstream."""
+    name, sep, url = spec.partition("=")
+    if not sep or not name or not url:
+        raise ValueError(f"--upstream expects NAME=BASE_URL, got {spec!r}")
+    return UpstreamSettings(name=name, base_url=url)

@@ -1,4 +1,5 @@
-"""Server-sent events: split a byte stream into events as they arrive, and build events.
+"""Server-sent events: split a byte stream into events as they arrive (encoding lives in
+gateway/schemas/sse.py and is re-exported here).
 
 The splitter keeps only the unfinished tail of the stream, so each event is handed on the moment
 its terminating blank line arrives: no buffering beyond one event.
@@ -6,11 +7,9 @@ its terminating blank line arrives: no buffering beyond one event.
 
 from __future__ import annotations
 
-from typing import Any
+from gateway.schemas.sse import DONE, encode_done, encode_event
 
-import orjson
-
-DONE = b"[DONE]"
+__all__ = ["DONE", "SSESplitter", "encode_done", "encode_event", "event_data"]
 
 
 class SSESplitter:
@@ -43,11 +42,3 @@ def event_data(event: bytes) -> bytes | None:
     if not parts:
         return None
     return b"\n".join(parts)
-
-
-def encode_event(payload: Any) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-def encode_done() -> bytes:
-    return b"data: [DONE]\n\n"

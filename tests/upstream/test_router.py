@@ -7,9 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import ModelNotFound, UpstreamStatusError, UpstreamUnavailable
+from gateway.errors import ModelNotFound, UpstreamConnectError, UpstreamStatusError, UpstreamUnavailable
 from gateway.upstream.backend import Backend, JSONObject, UpstreamJSON
-from gateway.upstream.http import UpstreamConnectError
 from gateway.upstream.prefix_index import prefix_blocks
 from gateway.upstream.router import Router
 from gateway.upstream.settings import RoutingSettings, Strategy
