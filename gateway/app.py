@@ -78,8 +78,7 @@ def first_start_banner(keys: FirstKeys, settings: Settings, model_ids: list[str]
 
 
 def create_app(settings: Settings) -> FastAPI:
-    if settings.no_auth and not settings.is_loopback():
-        raise ValueError(f"--no-auth is allowed only on a loopback address, not {settings.host!r}")
+    settings.check_no_auth()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

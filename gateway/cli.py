@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from gateway.observability.logging import configure_logging
 from gateway.settings import Settings, parse_upstream_flag
+from gateway.upstream.settings import with_upstream
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = {
@@ -52,10 +53,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides["no_auth"] = True
     settings = _settings(args, **overrides)
     for spec in args.upstream or []:
-        upstream = parse_upstream_flag(spec)
-        settings.upstreams = [u for u in settings.upstreams if u.name != upstream.name] + [upstream]
-    if settings.no_auth and not settings.is_loopback():
-        print(f"kvgate: --no-auth is allowed only on a loopback address, not {settings.host}", file=sys.stderr)
+        settings.upstreams = with_upstream(settings.upstreams, parse_upstream_flag(spec))
+    try:
+        settings.check_no_auth()
+    except ValueError as exc:
+        print(f"kvgate: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings)
     uvicorn.run(

@@ -19,7 +19,7 @@ from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
 from gateway.pipeline.compaction import CompactionSettings
 from gateway.responsecache.settings import ResponseCacheSettings
-from gateway.upstream.settings import RoutingSettings, UpstreamSettings, parse_upstream_flag
+from gateway.upstream.settings import RoutingSettings, UpstreamSettings, parse_upstream_flag, with_upstream
 from gateway.usage.settings import Price, UsageSettings
 
 # The model id of the embedded default's `/v1/embeddings` (gateway/engine/embeddings.py imports it
@@ -68,12 +68,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _merge_upstream_shorthand(self) -> Settings:
-        known = {u.name for u in self.upstreams}
         for spec in self.upstream:
-            parsed = parse_upstream_flag(spec)
-            if parsed.name not in known:
-                self.upstreams.append(parsed)
-                known.add(parsed.name)
+            self.upstreams = with_upstream(self.upstreams, parse_upstream_flag(spec))
         self.upstream = []
         return self
 
@@ -85,6 +81,11 @@ class Settings(BaseSettings):
         if model in (self.engine.served_model_name, LOCAL_EMBEDDING_MODEL_ID):
             return None
         return self.usage.default_price
+
+    def check_no_auth(self) -> None:
+        """--no-auth serves everyone as one tenant: only where no one else can reach the port."""
+        if self.no_auth and not self.is_loopback():
+            raise ValueError(f"--no-auth is allowed only on a loopback address, not {self.host!r}")
 
     def is_loopback(self) -> bool:
         if self.host == "localhost":

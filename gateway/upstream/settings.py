@@ -57,3 +57,14 @@ def parse_upstream_flag(spec: str) -> UpstreamSettings:
     if not sep or not name or not url:
         raise ValueError(f"--upstream expects NAME=BASE_URL, got {spec!r}")
     return UpstreamSettings(name=name, base_url=url)
+
+
+def with_upstream(upstreams: list[UpstreamSettings], short: UpstreamSettings) -> list[UpstreamSettings]:
+    """`upstreams` with the short form `NAME=BASE_URL` (`--upstream`, `KVGATE_UPSTREAM`) merged in:
+    a new name is appended; a known name gets the short form's URL and keeps the rest of its full
+    form (key, models, timeouts). The one precedence rule for both sources: the short form names
+    where, the full form says how."""
+    for i, upstream in enumerate(upstreams):
+        if upstream.name == short.name:
+            return [*upstreams[:i], upstream.model_copy(update={"base_url": short.base_url}), *upstreams[i + 1:]]
+    return [*upstreams, short]

@@ -34,3 +34,22 @@ def test_loopback_detection() -> None:
     assert Settings(_env_file=None, host="127.0.0.1").is_loopback()
     assert Settings(_env_file=None, host="::1").is_loopback()
     assert not Settings(_env_file=None, host="0.0.0.0").is_loopback()
+
+
+def test_short_form_upstream_merges_by_name_one_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Env shorthand and --upstream share one rule: the short form's URL, the full form's details."""
+    from gateway.upstream.settings import with_upstream
+
+    monkeypatch.setenv("KVGATE_UPSTREAMS", '[{"name": "oai", "base_url": "https://a.example/v1", "models": ["m"]}]')
+    monkeypatch.setenv("KVGATE_UPSTREAM", "oai=https://b.example/v1")
+    settings = Settings(_env_file=None)
+    assert [(u.name, u.base_url, u.models) for u in settings.upstreams] == [("oai", "https://b.example/v1", ["m"])]
+    merged = with_upstream(settings.upstreams, parse_upstream_flag("oai=http://c.example/v1"))
+    assert [(u.base_url, u.models) for u in merged] == [("http://c.example/v1", ["m"])]
+    assert [u.name for u in with_upstream(merged, parse_upstream_flag("new=http://d/v1"))] == ["oai", "new"]
+
+
+def test_no_auth_off_loopback_is_refused() -> None:
+    with pytest.raises(ValueError, match="loopback"):
+        Settings(_env_file=None, host="0.0.0.0", no_auth=True).check_no_auth()
+    Settings(_env_file=None, host="127.0.0.1", no_auth=True).check_no_auth()
