@@ -112,16 +112,22 @@ class Metrics:
         self.duration.labels(record.route, cache).observe(record.total_ms / 1000)
         if record.ttfb_ms is not None and record.status < 400:
             self.ttft.labels(record.route, cache).observe(record.ttfb_ms / 1000)
+        self._observe_cache(cache)
+        if record.upstream is not None and record.status >= 500:
+            self.upstream_errors.labels(record.upstream, record.error_type or str(record.status)).inc()
+        if record.status < 400:
+            self._observe_tokens(record, cache)
+
+    def _observe_cache(self, cache: str) -> None:
         if cache in HIT_KINDS or cache == "miss":
             self.cache_lookups.labels(cache).inc()
         if cache in HIT_KINDS:
             self.cache_hits.labels(HIT_KINDS[cache]).inc()
         elif cache == "bypass":
             self.cache_bypass.inc()
-        if record.upstream is not None and record.status >= 500:
-            self.upstream_errors.labels(record.upstream, record.error_type or str(record.status)).inc()
-        if record.status >= 400:
-            return
+
+    def _observe_tokens(self, record: RequestRecord, cache: str) -> None:
+        """Tokens used and what the caches saved (tokens and, where priced, cost)."""
         model = record.model or ""
         counts = token_counts(record)
         for kind in TOKEN_KINDS:
