@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from gateway.api import admin, health, openai
+from gateway.api.openapi import install_openapi
 from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
 from gateway.observability.install import attach_observability, install_observability
@@ -59,7 +60,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.auto_migrate:
             await upgrade_async(settings.database_url)
-        db = make_engine(settings.database_url)
+        db = make_engine(settings.database_url, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_max_overflow, pool_timeout_s=settings.db_pool_timeout_s)
         sessions = make_sessionmaker(db)
         request_log = RequestLogWriter(sessions, batch_size=settings.request_log_batch)
         request_log.start()
@@ -104,8 +106,9 @@ def create_app(settings: Settings) -> FastAPI:
             await request_log.stop()
             await db.dispose()
 
-    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
+    install_openapi(app)
     install_observability(app, settings)
     app.include_router(openai.router)
     app.include_router(health.router)

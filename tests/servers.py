@@ -22,8 +22,10 @@ def free_port() -> int:
 def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
     """Yield the server's base URL (`http://127.0.0.1:PORT`) once it accepts connections."""
     port = port or free_port()
+    # log_config=None: uvicorn's loggers propagate to the root logger, where the session-wide log
+    # check of tests/conftest.py reads every line.
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                            lifespan="on")
+                            lifespan="on", log_config=None)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
