@@ -24,6 +24,7 @@ BENCHMARKS = {
     "prefix-stability": "bench.prefix_stability",
     "routing": "bench.routing",
     "cache-latency": "bench.cache_latency",
+    "reliability": "bench.reliability",
 }
 EVALS = {"semantic": "bench.semantic_eval"}
 
@@ -37,6 +38,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from gateway.api.http_protocol import GatewayHttpProtocol
     from gateway.app import create_app
 
     overrides: dict[str, Any] = {}
@@ -55,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(settings)
     uvicorn.run(
         create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-        access_log=False, timeout_graceful_shutdown=5, log_config=None,
+        access_log=False, timeout_graceful_shutdown=5, log_config=None, http=GatewayHttpProtocol,
     )
     return 0
 

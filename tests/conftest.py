@@ -15,6 +15,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from gateway.api.http_protocol import GatewayHttpProtocol
 from gateway.app import create_app
 from gateway.observability.logging import JsonFormatter, RedactingFilter
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade
@@ -141,7 +142,7 @@ def start_gateway(fake_upstream: str, database_url: str, **overrides: object) ->
     options: dict[str, object] = {"upstreams": [fake], "admin_key": ADMIN_SECRET, "max_body_bytes": 64 * 1024}
     settings = Settings(_env_file=None, database_url=database_url, **{**options, **overrides})  # type: ignore[arg-type]
     key = new_key(database_url, "team-a")
-    with serve_in_thread(create_app(settings)) as url:
+    with serve_in_thread(create_app(settings), http=GatewayHttpProtocol) as url:
         yield Gateway(url, key, database_url, settings)
 
 

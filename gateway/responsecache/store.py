@@ -68,7 +68,9 @@ def _meta(row: tuple) -> EntryMeta:
 def _values(meta: EntryMeta, answer: bytes) -> dict[str, object]:
     return {
         "tenant": meta.tenant, "namespace": meta.namespace, "model": meta.model,
-        "exact_key": meta.exact_key, "partition": meta.partition, "query": meta.query,
+        # PostgreSQL text cannot hold NUL; the query is kept for the verifier, which NUL does not inform.
+        "exact_key": meta.exact_key, "partition": meta.partition,
+        "query": meta.query.replace("\x00", "") if meta.query is not None else None,
         "embedding": meta.embedding.astype(np.float32).tobytes() if meta.embedding is not None else None,
         "answer": answer, "created_at": datetime.now(UTC),
         "expires_at": datetime.fromtimestamp(meta.expires_at, UTC), "hit_count": 0,

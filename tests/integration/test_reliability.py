@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -24,27 +23,10 @@ from gateway.responsecache.keys import partition_key
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.store import EntryStore
 from gateway.settings import UpstreamSettings
-from tests.conftest import PROMPT_SENTINEL, Gateway, fresh_postgres_database, start_gateway
-from tests.fault_upstream import ClosingUpstream, completion, create_fault_upstream
+from tests.conftest import PROMPT_SENTINEL, Gateway, start_gateway
+from tests.fault_upstream import ClosingUpstream, completion
 from tests.integration.test_faults import assert_envelope
-from tests.servers import free_port, serve_in_thread
-
-
-@pytest.fixture(scope="module")
-def fault_upstream() -> Iterator[str]:
-    with serve_in_thread(create_fault_upstream()) as url:
-        yield url
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
-def fault_gw(request: pytest.FixtureRequest, fault_upstream: str,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    if request.param == "sqlite":
-        url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('rel') / 'kvgate.db'}"
-        yield from start_gateway(fault_upstream, url, responsecache=ResponseCacheSettings(semantic=False))
-    else:
-        with fresh_postgres_database() as url:
-            yield from start_gateway(fault_upstream, url, responsecache=ResponseCacheSettings(semantic=False))
+from tests.servers import free_port
 
 
 def post(gateway: Gateway, path: str, client: httpx.Client | None = None, **kwargs: Any) -> httpx.Response:
