@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ class Load:
     requests: int = 0
     errors: int = 0
     complete: int = 0
+    error_kinds: Counter[str] = field(default_factory=Counter)
+    samples: list[str] = field(default_factory=list)
 
 
 async def _stream_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, body: bytes,
@@ -88,8 +91,9 @@ async def run_load(port: int, key: str, *, concurrency: int, duration_s: float, 
                 started = time.perf_counter()
                 try:
                     status, payload = await _stream_once(reader, writer, f"127.0.0.1:{port}", body.encode(), headers)
-                except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+                except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
                     load.errors += 1
+                    load.error_kinds[f"connection {type(exc).__name__}"] += 1
                     writer.close()
                     reader, writer = await asyncio.open_connection("127.0.0.1", port)
                     continue
@@ -98,6 +102,11 @@ async def run_load(port: int, key: str, *, concurrency: int, duration_s: float, 
                     load.complete += 1
                 else:
                     load.errors += 1
+                    kind = (f"status {status}" if status != 200 else
+                            "error event" if b'"error"' in payload else "no [DONE]")
+                    load.error_kinds[kind] += 1
+                    if len(load.samples) < 3:
+                        load.samples.append(payload[-300:].decode(errors="replace"))
         finally:
             writer.close()
 
@@ -190,7 +199,8 @@ def run_case(kind: str, no_store: bool, fake_port: int, tmp: Path, args: argpars
             "stores_lost": "-" if no_store else load.complete - (stored - warm_stored),
             "log_rows_lost": load.requests - (logged - warm_logged),
             "p50_ms": round(statistics.median(latencies), 1), "p99_ms": round(_percentile(latencies, 0.99), 1),
-            "rss_start_mb": rss_start, "rss_end_mb": rss_end}
+            "rss_start_mb": rss_start, "rss_end_mb": rss_end,
+            "error_kinds": dict(load.error_kinds), "error_samples": load.samples}
 
 
 def main(argv: list[str]) -> int:
@@ -214,9 +224,12 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"concurrency": args.concurrency, "duration_s": args.duration, "rows": rows}))
         return 0
     print(f"{args.concurrency} concurrent unique streams for {args.duration:g} s per run")
-    columns = list(rows[0])
+    columns = [c for c in rows[0] if c not in ("error_kinds", "error_samples")]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in columns) + " |")
+    for row in rows:
+        if row["errors"]:
+            print(f"errors on {row['db']}: {row['error_kinds']}; last bytes of one: {row['error_samples'][:1]}")
     return 0

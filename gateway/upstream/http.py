@@ -75,9 +75,12 @@ def _error_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
 
 
 def _dropped_before_answer(exc: BaseException) -> bool:
+    """The connection failed under the request: the upstream closed it (disconnect, reset), or it was
+    already closed when the body was written (aiohttp: `ClientOSError`, errno None, "Can not write
+    request body"; 99 of 903 requests under 200 concurrent streams before this retry)."""
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return True
-    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _RESET_ERRNOS
+    return isinstance(exc, aiohttp.ClientOSError) and (exc.errno is None or exc.errno in _RESET_ERRNOS)
 
 
 def _trace_config() -> aiohttp.TraceConfig:
