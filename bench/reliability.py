@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.overhead import _free_port, _percentile, _process, _uvicorn
+from bench.overhead import REPO, _free_port, _percentile, _process, _uvicorn
 
 PG_ADMIN_DSN = os.environ.get("KVGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -179,7 +179,7 @@ def run_case(kind: str, no_store: bool, fake_port: int, tmp: Path, args: argpars
     with ExitStack() as stack:
         url = stack.enter_context(_database(kind, tmp))
         key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
-                              "--database-url", url], cwd=tmp, capture_output=True, text=True,
+                              "--database-url", url], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.strip()
         port = _free_port()
         proc = stack.enter_context(_process(
