@@ -19,7 +19,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_in_thread(app: Any, port: int | None = None, http: Any = "auto") -> Iterator[str]:
+def serve_in_thread(app: Any, port: int | None = None, start_timeout_s: float = 60.0,
+                    http: Any = "auto") -> Iterator[str]:
     """Yield the server's base URL (`http://127.0.0.1:PORT`) once it accepts connections."""
     port = port or free_port()
     # log_config=None: uvicorn's loggers propagate to the root logger, where the session-wide log
@@ -29,7 +30,7 @@ def serve_in_thread(app: Any, port: int | None = None, http: Any = "auto") -> It
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + start_timeout_s
     while not server.started:
         if not thread.is_alive():
             raise RuntimeError("server thread exited during start-up")

@@ -89,13 +89,16 @@ class ResponseCache:
         self._answers = AnswerLRU(settings.memory_entries)
         self._index = SemanticIndex()
         self._hits: Counter[int] = Counter()
-        self._pending: set[asyncio.Task[None]] = set()
-        self._store_queue: asyncio.Queue[tuple[Lookup, dict[str, Any]]] = asyncio.Queue(settings.max_store_queue)
+        self._store_queue: asyncio.Queue[tuple[Lookup, dict[str, Any], bytes]] = asyncio.Queue(settings.max_store_queue)
         self._writer: asyncio.Task[None] | None = None
         self._writing = False
         self.num_stored = 0
         self.num_store_dropped = 0  # queue full or the database refused the row
         self.num_store_rejected = 0  # failed the wire-schema check
+        # Answers handed to `store_later` whose SQL insert has not finished: served by exact key
+        # at once, so a client asking again right after the last byte hits (an insert may take
+        # seconds on a busy SQLite file).
+        self._storing: dict[ExactKey, tuple[dict[str, Any], float, Lookup]] = {}
         self._last_sweep = time.monotonic()
         self._feed = ChangeFeed(store, on_entries=self._add, on_purge=self._forget, on_tick=self._tick,
                                 poll_interval_s=settings.poll_interval_s, redis_url=settings.redis_url,
@@ -120,8 +123,6 @@ class ResponseCache:
         await self._feed.start(seen)
 
     async def stop(self) -> None:
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
         await self._drain_stores()
         if self._writer is not None:
             self._writer.cancel()
@@ -133,8 +134,6 @@ class ResponseCache:
 
     async def sync(self) -> None:
         """Read what other replicas wrote, now (tests, admin)."""
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
         await self._drain_stores()
         await self._feed.catch_up()
 
@@ -156,6 +155,11 @@ class ResponseCache:
     def _forget(self, scope: PurgeFilter) -> None:
         ids = [m.id for m in self._directory.by_id.values() if scope.matches(m)]
         self._remove(ids)
+        for key, (_, _, pending) in list(self._storing.items()):
+            if ((scope.tenant is None or pending.tenant == scope.tenant)
+                    and (scope.namespace is None or pending.controls.namespace == scope.namespace)
+                    and (scope.model is None or pending.model == scope.model)):
+                del self._storing[key]
 
     def _remove(self, ids: list[int]) -> None:
         for entry_id in ids:
@@ -207,6 +211,10 @@ class ResponseCache:
         if meta is not None and meta.expires_at > now and await self._load(lookup, meta.id):
             lookup.status = HIT_EXACT
             return
+        storing = self._storing.get(lookup.key)
+        if storing is not None and storing[1] > now:
+            lookup.answer, lookup.status = storing[0], HIT_EXACT
+            return
         if lookup.partition is None or lookup.query is None or self._embedder is None or self._verifier is None:
             return
         lookup.vector = await self._embedder.embed(lookup.query)
@@ -253,11 +261,15 @@ class ResponseCache:
             self.num_store_rejected += 1
             log.warning("response cache: an upstream answer failed the wire schema; not stored")
             return
+        raw = orjson.dumps(completion)
+        if len(raw) > self.settings.max_answer_bytes:
+            return
         try:
-            self._store_queue.put_nowait((lookup, completion))
+            self._store_queue.put_nowait((lookup, completion, raw))
         except asyncio.QueueFull:
             self.num_store_dropped += 1
             return
+        self._storing[lookup.key] = (completion, time.time() + self._ttl_s(lookup), lookup)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_forever(), name="response-cache-writer")
 
@@ -280,19 +292,19 @@ class ResponseCache:
                 log.error("response cache: storing %d answers failed (%s)", len(batch), describe_db_error(exc))
             finally:
                 self._writing = False
+                for lookup, completion, _ in batch:
+                    if self._storing.get(lookup.key, (None,))[0] is completion:
+                        del self._storing[lookup.key]
 
-    async def _write_batch(self, batch: list[tuple[Lookup, dict[str, Any]]]) -> None:
-        need = [lk for lk, _ in batch if lk.partition is not None and lk.vector is None]
+    async def _write_batch(self, batch: list[tuple[Lookup, dict[str, Any], bytes]]) -> None:
+        need = [lk for lk, _, _ in batch if lk.partition is not None and lk.vector is None]
         if need and self._embedder is not None:
             vectors = await asyncio.gather(*(self._embedder.embed(lk.query or "") for lk in need))
             for lk, vector in zip(need, vectors, strict=True):
                 lk.vector = vector
         rows: list[tuple[EntryMeta, bytes, dict[str, Any]]] = []
-        for lookup, completion in batch:
-            raw = orjson.dumps(completion)
-            if len(raw) > self.settings.max_answer_bytes:
-                continue
-            ttl_s = min(lookup.controls.ttl_s or self.settings.default_ttl_s, self.settings.max_ttl_s)
+        for lookup, completion, raw in batch:
+            ttl_s = self._ttl_s(lookup)
             semantic = lookup.partition is not None and lookup.vector is not None
             meta = EntryMeta(0, lookup.tenant, lookup.controls.namespace, lookup.model, lookup.key,
                              lookup.partition if semantic else None, lookup.query if semantic else None,
@@ -323,6 +335,9 @@ class ResponseCache:
         self.num_stored += len(stored)
         if stored:
             await self._feed.announce()
+
+    def _ttl_s(self, lookup: Lookup) -> float:
+        return min(lookup.controls.ttl_s or self.settings.default_ttl_s, self.settings.max_ttl_s)
 
     async def purge(self, scope: PurgeFilter) -> int:
         purge_id, deleted = await self._store.purge(scope)
