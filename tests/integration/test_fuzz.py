@@ -60,5 +60,6 @@ def test_fuzzing_finds_no_500_and_no_hang(fault_gw: Gateway, tmp_path: Path) -> 
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=FUZZ_SECONDS * 3 + 120, cwd=tmp_path)
     report = done.stdout[-6000:] + done.stderr[-2000:]
+    print(done.stdout[-1200:])  # the run's summary (operations, phases, test cases), shown with -s
     assert done.returncode == 0, report
     assert "No issues found" in done.stdout or "passed" in done.stdout.lower(), report
