@@ -21,6 +21,13 @@ from gateway.canonical.prepare import Prepared, Preparer
 from gateway.errors import GatewayError
 from gateway.persistence.keys import Principal
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
+from gateway.pipeline.condense import (
+    CondenseOutcome,
+    CondenseRequest,
+    CondenseStep,
+    annotate_usage,
+    condense_headers,
+)
 from gateway.responsecache.cache import Lookup, ResponseCache
 from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.replay import assemble_stream
@@ -47,17 +54,20 @@ class Call:
     # Set on routes the response cache serves (chat completions).
     cache: CacheControls | None = None
     session: str | None = None  # x-kvgate-session: names the session for prefix-break diagnostics
+    condense: CondenseRequest | None = None  # opt-in: condense long context before the upstream reads it
+    condensed: CondenseOutcome | None = None
 
 
 class Proxy:
     def __init__(self, router: Router, request_log: RequestLogWriter,
                  response_cache: ResponseCache | None = None, preparer: Preparer | None = None,
-                 accountant: Accountant | None = None) -> None:
+                 accountant: Accountant | None = None, condense: CondenseStep | None = None) -> None:
         self._router = router
         self._log = request_log
         self._cache = response_cache
         self._preparer = preparer
         self._accountant = accountant or Accountant({})
+        self._condense = condense
 
     def _prepare(self, call: Call) -> Prepared:
         """Canonical body, prefix-break diagnostics and prefix blocks (chat and completions)."""
@@ -83,6 +93,9 @@ class Proxy:
                 return response
         cache_status = lookup.status if lookup else None
         try:
+            # After the cache lookup (keyed by what the client sent), before the upstream reads it.
+            if call.condense is not None and self._condense is not None:
+                call.body, call.condensed = await self._condense.apply(call.body, call.condense)
             if call.stream:
                 return await self._forward_stream(call, started, prepared, lookup)
             result, route = await self._router.call(
@@ -95,11 +108,12 @@ class Proxy:
             self._record(call, started, status=exc.status_code, error=exc, cache=cache_status)
             raise
         ttfb = time.perf_counter()
-        headers = {"x-request-id": call.request_id, **prepared.headers}
+        headers = {"x-request-id": call.request_id, **prepared.headers, **condense_headers(call.condensed)}
         raw = result.raw
         usage = result.body.get("usage")
         if call.route != "embeddings" and isinstance(usage, dict):
             usage, accounted = self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)
+            usage = annotate_usage(usage, call.condensed)
             raw = orjson.dumps({**result.body, "usage": usage, "kvgate": {"usage_source": accounted.source}})
             headers["x-kvgate-usage-source"] = accounted.source
         self._record(call, started, status=200, backend=backend, usage=usage, ttfb_s=ttfb, cache=cache_status)
@@ -117,11 +131,13 @@ class Proxy:
         backend = route.backend
 
         def annotate(usage: dict[str, Any]) -> dict[str, Any]:
-            return self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)[0]
+            return annotate_usage(self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)[0],
+                                  call.condensed)
 
         def rewrite_usage_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
             # The headers left before the usage was known: the chunk says where its numbers came from.
             usage, accounted = self._accountant.finish(backend.name, call.model, chunk["usage"], route.matched_tokens)
+            usage = annotate_usage(usage, call.condensed)
             return {**chunk, "usage": usage, "kvgate": {"usage_source": accounted.source}}
 
         outcome = StreamOutcome(started_s=started)
@@ -164,7 +180,7 @@ class Proxy:
                     await finish()
 
         headers = {**SSE_HEADERS, "x-request-id": call.request_id, **prepared.headers,
-                   **(lookup.headers if lookup else {})}
+                   **condense_headers(call.condensed), **(lookup.headers if lookup else {})}
         if (source := self._accountant.source_for(backend.name)) is not None:
             headers["x-kvgate-usage-source"] = source
         return RelayResponse(events(), finish, media_type="text/event-stream", headers=headers)

@@ -18,6 +18,7 @@ from gateway.canonical.settings import CanonicalSettings
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
+from gateway.pipeline.settings import CondenseSettings
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.upstream.settings import RoutingSettings
 from gateway.usage.settings import UsageSettings
@@ -81,6 +82,7 @@ class Settings(BaseSettings):
     kvcache: KVCacheSettings = Field(default_factory=KVCacheSettings)
     responsecache: ResponseCacheSettings = Field(default_factory=ResponseCacheSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    condense: CondenseSettings = Field(default_factory=CondenseSettings)
 
     @field_validator("upstream", mode="before")
     @classmethod

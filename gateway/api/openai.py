@@ -10,6 +10,7 @@ from starlette.responses import Response
 from gateway.api.body import read_json, validate
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.responses import json_response
+from gateway.pipeline.condense import read_condense
 from gateway.proxy import Call
 from gateway.responsecache.controls import read_controls
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -28,13 +29,15 @@ def request_id(request: Request) -> str:
 @router.post("/chat/completions")
 async def chat_completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
+    condense = read_condense(request.headers, body, services.settings.condense, principal.tenant,
+                             body.get("model") if isinstance(body.get("model"), str) else None)
     controls = read_controls(request.headers, body)
     parsed = validate(ChatCompletionRequest, body)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     call = Call(
         request_id(request), principal, "chat.completions", "/chat/completions", parsed.model, body,
         stream=parsed.stream, include_usage=include_usage, cache=controls,
-        session=request.headers.get("x-kvgate-session"),
+        session=request.headers.get("x-kvgate-session"), condense=condense,
     )
     return await services.proxy.forward(call)
 
