@@ -122,8 +122,8 @@ def run(passages: int, split: str, ratios: list[float], fine_shares: list[float]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvgate bench cascade", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--passages", type=int, nargs="+", default=[4, 1],
-                        help="paragraphs per document (default: 4, then 1)")
+    parser.add_argument("--passages", type=int, nargs="+", default=[8, 1],
+                        help="paragraphs per document (default: 8, then 1)")
     parser.add_argument("--split", choices=["heldout", "tune", "all"], default="heldout")
     parser.add_argument("--ratios", type=float, nargs="+", default=[2.0, 3.0, 5.0])
     parser.add_argument("--fine-shares", type=float, nargs="+", default=[0.0, 0.2],

@@ -27,6 +27,7 @@ from gateway.pipeline.condense import (
     CondenseStep,
     annotate_usage,
     condense_headers,
+    condensed_from,
 )
 from gateway.responsecache.cache import Lookup, ResponseCache
 from gateway.responsecache.controls import CacheControls
@@ -218,6 +219,7 @@ class Proxy:
                 error_type=(error.code or error.error_type) if error else None,
                 cache=cache,
                 cache_creation_tokens=_int_or_none(usage.get("cache_creation_input_tokens")),
+                condensed_from_tokens=condensed_from(usage),
             )
         )
 

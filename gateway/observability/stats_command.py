@@ -75,7 +75,9 @@ def render_text(summary: dict[str, Any], since: str) -> str:
         f"cache efficiency    {_pct(o['cache_efficiency'])} (read / (read + creation))",
         f"tokens              prompt {t['prompt']}, cached {t['cached']}, cache creation {t['cache_creation']}, "
         f"completion {t['completion']}",
-        f"saved               {saved_tokens} tokens, ${saved_usd:.4f}",
+        f"saved               {saved_tokens} tokens, ${saved_usd:.4f} by caching",
+        f"condensed           {o['tokens_saved'].get('condensing', 0)} tokens, "
+        f"${o['cost_saved_usd'].get('condensing', 0):.4f} (context cut before the upstream read it)",
         f"TTFT p50 / p95      cached {_ms(o['ttft_ms']['cached']['p50'])} / {_ms(o['ttft_ms']['cached']['p95'])}, "
         f"uncached {_ms(o['ttft_ms']['uncached']['p50'])} / {_ms(o['ttft_ms']['uncached']['p95'])}",
     ]

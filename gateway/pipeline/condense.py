@@ -221,6 +221,13 @@ def annotate_usage(usage: dict[str, Any], outcome: CondenseOutcome | None) -> di
     return {**usage, "kvgate": extension}
 
 
+def condensed_from(usage: dict[str, Any]) -> int | None:
+    """`usage.kvgate.condensed_from_tokens`, or None (nothing was condensed)."""
+    extension = usage.get("kvgate")
+    value = extension.get("condensed_from_tokens") if isinstance(extension, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def condense_headers(outcome: CondenseOutcome | None) -> dict[str, str]:
     if outcome is None or not outcome.num_parts:
         return {}

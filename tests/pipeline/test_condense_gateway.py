@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.usage.tokens import get_encoding, render_prompt
 from tests.conftest import Gateway, start_gateway
 from tests.fake_upstream import create_fake_upstream
@@ -41,7 +43,10 @@ def upstream() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def gateway(upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     database_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('condense') / 'kvgate.db'}"
-    yield from start_gateway(upstream, database_url, max_body_bytes=1024 * 1024)
+    # The response cache is not what is tested here: off, the gateway starts without loading the
+    # embedding model.
+    yield from start_gateway(upstream, database_url, max_body_bytes=1024 * 1024,
+                             responsecache=ResponseCacheSettings(enabled=False, semantic=False))
 
 
 def _post(gateway: Gateway, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
@@ -149,3 +154,23 @@ def test_short_context_and_bad_ratio(gateway: Gateway, upstream: str) -> None:
     bad = _post(gateway, {**body, "kvgate": {"condense": {"ratio": 0.5}}})
     assert bad.status_code == 422
     assert bad.json()["error"]["param"] == "kvgate.condense.ratio"
+
+
+def test_dashboard_and_metrics_count_condensed_tokens(gateway: Gateway, documents: list[str]) -> None:
+    body = {"model": "fake-model", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": documents[1]}, {"type": "text", "text": "When?"}]}]}
+    response = _post(gateway, body, {"x-kvgate-condense": "4"})
+    assert response.status_code == 200
+    saved = response.json()["usage"]["kvgate"]["condensed_tokens_saved"]
+    assert saved > 0
+    admin = {"authorization": "Bearer admin-test-key"}
+    deadline = time.monotonic() + 10
+    while True:  # the request log is written in the background, a few times a second
+        summary = httpx.get(gateway.base_url + "/dashboard/api/summary", headers=admin).json()
+        if summary["overview"]["tokens_saved"]["condensing"] >= saved or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert summary["overview"]["tokens_saved"]["condensing"] >= saved
+    assert summary["overview"]["cost_saved_usd"]["condensing"] > 0
+    metrics = httpx.get(gateway.base_url + "/metrics", headers=admin).text
+    assert 'kvgate_saved_tokens_total{source="condensing"}' in metrics

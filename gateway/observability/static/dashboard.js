@@ -131,6 +131,8 @@ function tiles(o) {
     ["Tokens saved", num(o.tokens_saved.response_cache + o.tokens_saved.kv_cache),
      num(o.tokens_saved.response_cache) + " response cache, " + num(o.tokens_saved.kv_cache) + " KV"],
     ["Cost saved", usd(saved), usd(o.cost_saved_usd.response_cache) + " response cache"],
+    ["Tokens condensed", num(o.tokens_saved.condensing ?? 0),
+     usd(o.cost_saved_usd.condensing ?? 0) + " saved: context cut by the small model before the upstream"],
     ["TTFT p50 / p95 cached", ms(o.ttft_ms.cached.p50) + " / " + ms(o.ttft_ms.cached.p95), ""],
     ["TTFT p50 / p95 uncached", ms(o.ttft_ms.uncached.p50) + " / " + ms(o.ttft_ms.uncached.p95), ""],
   ];
