@@ -1,1 +1,1 @@
-"""Steps of one request's path between the HTTP edge and the upstream (ARCHITECTURE.md)."""
+"""The path of one request as domain steps (see ARCHITECTURE.md)."""
