@@ -212,7 +212,10 @@ class Condenser:
             return np.zeros(len(document.words), dtype=np.float64)
         q_weight = self._info[q_ids]
         q_weight = q_weight / max(float(q_weight.max()), 1e-6)
-        similarity = self._unit[document.token_ids] @ self._unit[q_ids].T  # (tokens, question tokens)
+        # (tokens, question tokens). einsum, not `@`: a BLAS call this small spends more time waking
+        # its thread pool than multiplying, 20x more on a busy 2-core machine (measured: 11 ms vs
+        # 0.5 ms single-threaded vs 1.5 ms einsum for 150 x 10 tokens).
+        similarity = np.einsum("td,qd->tq", self._unit[document.token_ids], self._unit[q_ids])
         token_score = (np.clip(similarity, 0, None) ** 3 * q_weight).max(axis=1)
         relevance = np.zeros(len(document.words), dtype=np.float64)
         np.maximum.at(relevance, document.token_word, token_score.astype(np.float64))
