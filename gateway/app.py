@@ -19,6 +19,7 @@ from gateway.observability.install import attach_observability, install_observab
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
 from gateway.persistence.keys import FirstKeys, KeyStore, create_first_keys
 from gateway.persistence.request_log import RequestLogWriter
+from gateway.pipeline.condense import CondenseStep
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
 from gateway.services import Services
@@ -118,7 +119,8 @@ def create_app(settings: Settings) -> FastAPI:
             router=router,
             proxy=Proxy(router, request_log, response_cache,
                         preparer=Preparer(settings.canonical, settings.routing, on_break=on_break),
-                        accountant=Accountant(settings.usage.prices), compaction=settings.compaction),
+                        accountant=Accountant(settings.usage.prices), compaction=settings.compaction,
+                        condense=CondenseStep(settings.condense, settings.engine)),
             response_cache=response_cache,
         )
         try:

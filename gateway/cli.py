@@ -28,6 +28,7 @@ BENCHMARKS = {
     "cache-latency": "bench.cache_latency",
     "agent-session": "bench.agent_session",
     "reliability": "bench.reliability",
+    "cascade": "bench.cascade",
 }
 EVALS = {"semantic": "bench.semantic_eval"}
 T = TypeVar("T")

@@ -18,6 +18,7 @@ from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
 from gateway.pipeline.compaction import CompactionSettings
+from gateway.pipeline.settings import CondenseSettings
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.upstream.settings import RoutingSettings
 from gateway.usage.settings import Price, UsageSettings
@@ -94,6 +95,7 @@ class Settings(BaseSettings):
     responsecache: ResponseCacheSettings = Field(default_factory=ResponseCacheSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     compaction: CompactionSettings = Field(default_factory=CompactionSettings)
+    condense: CondenseSettings = Field(default_factory=CondenseSettings)
 
     @field_validator("upstream", mode="before")
     @classmethod

@@ -46,6 +46,7 @@ class RequestRecord:
     error_type: str | None = None
     cache: str | None = None
     cache_creation_tokens: int | None = None
+    condensed_from_tokens: int | None = None
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
