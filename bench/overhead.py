@@ -90,8 +90,8 @@ def _free_port() -> int:
 @contextmanager
 def _process(
     cmd: list[str], ready_url: str, env: dict[str, str] | None = None, timeout_s: float = 120
-) -> Iterator[int]:
-    """Start a server, wait until `ready_url` answers, yield its pid."""
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a server, wait until `ready_url` answers, yield its process."""
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -108,7 +108,7 @@ def _process(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{cmd} did not start")
             time.sleep(0.3)
-        yield proc.pid
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -227,17 +227,17 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
     fake_port, bare_port, gw_port = _free_port(), _free_port(), _free_port()
     fake_pid = stack.enter_context(_process(_uvicorn("tests.fake_upstream:create_fake_upstream", fake_port),
-                                            f"http://127.0.0.1:{fake_port}/v1/models"))
+                                            f"http://127.0.0.1:{fake_port}/v1/models")).pid
     fake = f"http://127.0.0.1:{fake_port}/v1"
     bare_pid = stack.enter_context(_process(_uvicorn("bench.bare_proxy:create_app", bare_port),
-                                            f"http://127.0.0.1:{bare_port}/v1/models", env={"BARE_UPSTREAM": fake}))
+                                            f"http://127.0.0.1:{bare_port}/v1/models", env={"BARE_UPSTREAM": fake})).pid
     db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
     key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
                           "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
     gw_pid = stack.enter_context(_process(
         [sys.executable, "-m", "gateway", "serve", "--port", str(gw_port), "--upstream", f"fake={fake}",
          "--database-url", db], f"http://127.0.0.1:{gw_port}/readyz", timeout_s=400,
-        env={"KVGATE_LOG_LEVEL": "warning"}))
+        env={"KVGATE_LOG_LEVEL": "warning"})).pid
     auth = {"authorization": f"Bearer {key}"}
     paths = [Target("direct", fake, {}, fake_pid),
              Target("bare proxy", f"http://127.0.0.1:{bare_port}/v1", {}, bare_pid),
@@ -258,7 +258,7 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
             [litellm, "--config", str(config), "--port", str(ll_port), "--num_workers", "1"],
             f"http://127.0.0.1:{ll_port}/health/liveliness", timeout_s=240,
             env={"LITELLM_MASTER_KEY": "sk-bench", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-                 "LITELLM_TELEMETRY": "False", "LITELLM_LOG": "ERROR"}))
+                 "LITELLM_TELEMETRY": "False", "LITELLM_LOG": "ERROR"})).pid
         paths.append(Target("litellm", f"http://127.0.0.1:{ll_port}/v1", {"authorization": "Bearer sk-bench"}, ll_pid))
     return paths
 

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from gateway.api import admin, health, openai
+from gateway.api.openapi import install_openapi
 from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
 from gateway.observability.install import attach_observability, install_observability
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
 from gateway.persistence.keys import FirstKeys, KeyStore, create_first_keys
 from gateway.persistence.request_log import RequestLogWriter
+from gateway.pipeline.condense import CondenseStep
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
 from gateway.runtime import configure_process
@@ -84,7 +86,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.auto_migrate:
             await upgrade_async(settings.database_url)
-        db = make_engine(settings.database_url)
+        db = make_engine(settings.database_url, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_max_overflow, pool_timeout_s=settings.db_pool_timeout_s)
         sessions = make_sessionmaker(db)
         request_log = RequestLogWriter(sessions, batch_size=settings.request_log_batch)
         request_log.start()
@@ -117,7 +120,8 @@ def create_app(settings: Settings) -> FastAPI:
             proxy=Proxy(router, request_log, response_cache,
                         preparer=Preparer(settings.canonical, encoding=settings.routing.encoding,
                                           block_tokens=settings.routing.block_tokens, on_break=on_break),
-                        accountant=Accountant(settings.usage.prices), compaction=settings.compaction),
+                        accountant=Accountant(settings.usage.prices), compaction=settings.compaction,
+                        condense=CondenseStep(settings.condense, settings.engine)),
             response_cache=response_cache,
         )
         try:
@@ -131,8 +135,9 @@ def create_app(settings: Settings) -> FastAPI:
             await request_log.stop()
             await db.dispose()
 
-    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
+    install_openapi(app)
     install_observability(app, settings)
     app.include_router(openai.router)
     app.include_router(health.router)

@@ -29,6 +29,8 @@ BENCHMARKS = {
     "routing": "bench.routing",
     "cache-latency": "bench.cache_latency",
     "agent-session": "bench.agent_session",
+    "reliability": "bench.reliability",
+    "cascade": "bench.cascade",
 }
 EVALS = {"semantic": "bench.semantic_eval"}
 T = TypeVar("T")
@@ -43,6 +45,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from gateway.api.http_protocol import GatewayHttpProtocol
     from gateway.app import create_app
 
     overrides: dict[str, Any] = {}
@@ -62,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(settings)
     uvicorn.run(
         create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-        access_log=False, timeout_graceful_shutdown=5, log_config=None,
+        access_log=False, timeout_graceful_shutdown=5, log_config=None, http=GatewayHttpProtocol,
     )
     return 0
 

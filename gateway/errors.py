@@ -45,6 +45,8 @@ class GatewayError(Exception):
         self.param = param
         if code is not None:
             self.code = code
+        # Response headers that belong to the error (an upstream's `Retry-After` on a 429).
+        self.headers: dict[str, str] = {}
 
     def envelope(self) -> ErrorBody:
         return {
@@ -132,7 +134,8 @@ class UpstreamProtocolError(UpstreamError):
 class UpstreamStatusError(UpstreamError):
     """The upstream answered with an error status: relay its status and its own error."""
 
-    def __init__(self, status_code: int, body: ErrorBody, upstream: str) -> None:
+    def __init__(self, status_code: int, body: ErrorBody, upstream: str,
+                 headers: dict[str, str] | None = None) -> None:
         error = body.get("error")
         if not isinstance(error, dict):
             error = {}
@@ -141,11 +144,13 @@ class UpstreamStatusError(UpstreamError):
         self.status_code = status_code
         self.error_type = str(error.get("type") or ("rate_limit_error" if status_code == 429 else "upstream_error"))
         self.upstream = upstream
+        self.headers = dict(headers or {})
 
 
 def error_response(exc: GatewayError) -> Response:
     return Response(
-        orjson.dumps(exc.envelope()), status_code=exc.status_code, media_type="application/json"
+        orjson.dumps(exc.envelope()), status_code=exc.status_code, media_type="application/json",
+        headers=exc.headers or None,
     )
 
 

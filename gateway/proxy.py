@@ -30,6 +30,14 @@ from gateway.pipeline.compaction import (
     is_context_overflow,
     summary_text,
 )
+from gateway.pipeline.condense import (
+    CondenseOutcome,
+    CondenseRequest,
+    CondenseStep,
+    annotate_usage,
+    condense_headers,
+    condensed_from,
+)
 from gateway.responsecache.cache import Lookup, ResponseCache
 from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.replay import assemble_stream
@@ -56,6 +64,8 @@ class Call:
     # Set on routes the response cache serves (chat completions).
     cache: CacheControls | None = None
     session: str | None = None  # x-kvgate-session: names the session for prefix-break diagnostics
+    condense: CondenseRequest | None = None  # opt-in: condense long context before the upstream reads it
+    condensed: CondenseOutcome | None = None
     compact: bool = False  # continue from a summary when the conversation overflows the context
     compaction: Compaction | None = None  # set when it did
 
@@ -63,13 +73,15 @@ class Call:
 class Proxy:
     def __init__(self, router: Router, request_log: RequestLogWriter,
                  response_cache: ResponseCache | None = None, preparer: Preparer | None = None,
-                 accountant: Accountant | None = None, compaction: CompactionSettings | None = None) -> None:
+                 accountant: Accountant | None = None, compaction: CompactionSettings | None = None,
+                 condense: CondenseStep | None = None) -> None:
         self._router = router
         self._compaction = compaction or CompactionSettings()
         self._log = request_log
         self._cache = response_cache
         self._preparer = preparer
         self._accountant = accountant or Accountant({})
+        self._condense = condense
 
     def _prepare(self, call: Call) -> Prepared:
         """Canonical body, prefix-break diagnostics and prefix blocks (chat and completions)."""
@@ -95,6 +107,9 @@ class Proxy:
                 return response
         cache_status = lookup.status if lookup else None
         try:
+            # After the cache lookup (keyed by what the client sent), before the upstream reads it.
+            if call.condense is not None and self._condense is not None:
+                call.body, call.condensed = await self._condense.apply(call.body, call.condense)
             if call.stream:
                 return await self._forward_stream(call, started, prepared, lookup)
             result, route = await self._router.call(
@@ -111,11 +126,13 @@ class Proxy:
             self._record(call, started, status=exc.status_code, error=exc, cache=cache_status)
             raise
         ttfb = time.perf_counter()
-        headers = {"x-request-id": call.request_id, **prepared.headers, **_compaction_headers(call)}
+        headers = {"x-request-id": call.request_id, **prepared.headers, **_compaction_headers(call),
+                   **condense_headers(call.condensed)}
         raw = result.raw
         usage = result.body.get("usage")
         if call.route != "embeddings" and isinstance(usage, dict):
             usage, accounted = self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)
+            usage = annotate_usage(usage, call.condensed)
             raw = orjson.dumps({**result.body, "usage": usage,
                                 "kvgate": {"usage_source": accounted.source, **_compaction_field(call)}})
             headers["x-kvgate-usage-source"] = accounted.source
@@ -134,11 +151,13 @@ class Proxy:
         backend = route.backend
 
         def annotate(usage: dict[str, Any]) -> dict[str, Any]:
-            return self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)[0]
+            return annotate_usage(self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)[0],
+                                  call.condensed)
 
         def rewrite_usage_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
             # The headers left before the usage was known: the chunk says where its numbers came from.
             usage, accounted = self._accountant.finish(backend.name, call.model, chunk["usage"], route.matched_tokens)
+            usage = annotate_usage(usage, call.condensed)
             return {**chunk, "usage": usage, "kvgate": {"usage_source": accounted.source, **_compaction_field(call)}}
 
         outcome = StreamOutcome(started_s=started)
@@ -192,7 +211,8 @@ class Proxy:
                     await finish()
 
         headers = {**SSE_HEADERS, "x-request-id": call.request_id, **prepared.headers,
-                   **(lookup.headers if lookup else {}), **_compaction_headers(call)}
+                   **(lookup.headers if lookup else {}), **_compaction_headers(call),
+                   **condense_headers(call.condensed)}
         if (source := self._accountant.source_for(backend.name)) is not None:
             headers["x-kvgate-usage-source"] = source
         return RelayResponse(events(), finish, media_type="text/event-stream", headers=headers)
@@ -246,6 +266,7 @@ class Proxy:
                 error_type=(error.code or error.error_type) if error else None,
                 cache=cache,
                 cache_creation_tokens=_int_or_none(usage.get("cache_creation_input_tokens")),
+                condensed_from_tokens=condensed_from(usage),
             )
         )
 

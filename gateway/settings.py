@@ -18,6 +18,7 @@ from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
 from gateway.pipeline.compaction import CompactionSettings
+from gateway.pipeline.settings import CondenseSettings
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.upstream.settings import RoutingSettings, UpstreamSettings, parse_upstream_flag, with_upstream
 from gateway.usage.settings import Price, UsageSettings
@@ -40,6 +41,11 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=0, le=65535)
     database_url: str = "sqlite+aiosqlite:///kvgate.db"
     auto_migrate: bool = True
+    # PostgreSQL pool. Background writers (request log, response-cache store) hold one connection
+    # each at most, so requests keep the rest.
+    db_pool_size: int = Field(default=10, ge=1)
+    db_max_overflow: int = Field(default=20, ge=0)
+    db_pool_timeout_s: float = Field(default=30.0, gt=0)
     no_auth: bool = False
     admin_key: str | None = None
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
@@ -58,6 +64,7 @@ class Settings(BaseSettings):
     responsecache: ResponseCacheSettings = Field(default_factory=ResponseCacheSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     compaction: CompactionSettings = Field(default_factory=CompactionSettings)
+    condense: CondenseSettings = Field(default_factory=CondenseSettings)
 
     @field_validator("upstream", mode="before")
     @classmethod

@@ -8,13 +8,16 @@ from starlette.responses import Response
 from gateway.api.body import read_json
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.responses import json_response
-from gateway.errors import InvalidField, NotFound, PermissionDenied
+from gateway.errors import InvalidField, InvalidRequest, NotFound, PermissionDenied
 from gateway.persistence.keys import Principal
 from gateway.responsecache.cache import ResponseCache
 from gateway.responsecache.store import PurgeFilter
 from gateway.services import Services
 
 router = APIRouter(prefix="/admin")
+# The columns a purge filters on (persistence/models.py): a longer value cannot match anything, and
+# PostgreSQL rejects it (or a NUL) with an error, which must be the client's 400, not a 500.
+PURGE_FIELD_CHARS = {"tenant": 128, "namespace": 128, "model": 256}
 
 
 def _cache(services: Services, principal: Principal) -> ResponseCache:
@@ -34,6 +37,9 @@ async def purge(request: Request, services: ServicesDep, principal: PrincipalDep
     for name, value in fields.items():
         if not isinstance(value, str) or not value:
             raise InvalidField(f"{name}: expected a non-empty string", param=name)
+        limit = PURGE_FIELD_CHARS[name]
+        if len(value) > limit or not value.isprintable():
+            raise InvalidRequest(f"{name}: at most {limit} printable characters", param=name, code="invalid_value")
     if not fields and body.get("all") is not True:
         raise InvalidField("give tenant, namespace and/or model, or {\"all\": true} to purge everything")
     deleted = await cache.purge(PurgeFilter(**fields))

@@ -11,6 +11,7 @@ from gateway.api.body import read_json, validate
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.responses import json_response
 from gateway.pipeline.compaction import opted_in
+from gateway.pipeline.condense import read_condense
 from gateway.proxy import Call
 from gateway.responsecache.controls import read_controls
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -29,6 +30,8 @@ def request_id(request: Request) -> str:
 @router.post("/chat/completions")
 async def chat_completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
+    condense = read_condense(request.headers, body, services.settings.condense, principal.tenant,
+                             body.get("model") if isinstance(body.get("model"), str) else None)
     compact = opted_in(request.headers, body)
     controls = read_controls(request.headers, body)
     parsed = validate(ChatCompletionRequest, body)
@@ -36,7 +39,7 @@ async def chat_completions(request: Request, services: ServicesDep, principal: P
     call = Call(
         request_id(request), principal, "chat.completions", "/chat/completions", parsed.model, body,
         stream=parsed.stream, include_usage=include_usage, cache=controls,
-        session=request.headers.get("x-kvgate-session"),
+        session=request.headers.get("x-kvgate-session"), condense=condense,
         compact=compact if compact is not None else principal.tenant in services.settings.compaction.tenants,
     )
     return await services.proxy.forward(call)

@@ -88,7 +88,7 @@ class Metrics:
         self.cache_bypass = Counter("kvgate_response_cache_bypass",
                                     "Requests that skipped the response cache (cache controls)", registry=r)
         self.saved_tokens = Counter("kvgate_saved_tokens",
-                                    "Tokens not computed upstream, by source (response_cache, kv_cache)",
+                                    "Tokens not computed upstream, by source (response_cache, kv_cache, condensing)",
                                     ["source"], registry=r)
         self.saved_cost = Counter("kvgate_saved_cost_dollars",
                                   "Estimated cost saved, by source, at the configured prices",
@@ -145,6 +145,12 @@ class Metrics:
             if price is not None:
                 discount = max(price.input - price.cached_input, 0.0)
                 self.saved_cost.labels("kv_cache").inc(counts["cached"] * discount / 1e6)
+        condensed = getattr(record, "condensed_from_tokens", None)
+        if condensed is not None and cache not in HIT_KINDS and condensed > counts["prompt"]:
+            # Tokens the small model cut from the prompt: never sent, so paid at the full input price.
+            self.saved_tokens.labels("condensing").inc(condensed - counts["prompt"])
+            if price is not None:
+                self.saved_cost.labels("condensing").inc((condensed - counts["prompt"]) * price.input / 1e6)
 
     def observe_prefix_break(self, reason: str, *, tenant: str, model: str | None = None,
                              block_index: int | None = None) -> None:

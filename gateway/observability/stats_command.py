@@ -60,6 +60,10 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+def _usd_or_unpriced(value: float | None) -> str:
+    return "not priced" if value is None else f"${value:.4f}"
+
+
 def render_text(summary: dict[str, Any], since: str) -> str:
     o = summary["overview"]
     saved = o["cost_saved_usd"]
@@ -78,6 +82,8 @@ def render_text(summary: dict[str, Any], since: str) -> str:
         f"tokens              prompt {t['prompt']}, cached {t['cached']}, cache creation {t['cache_creation']}, "
         f"completion {t['completion']}",
         f"saved               {saved_tokens} tokens, {saved_usd}",
+        f"condensed           {o['tokens_saved'].get('condensing', 0)} tokens, "
+        f"{_usd_or_unpriced(o['cost_saved_usd'].get('condensing'))} (context cut before the upstream read it)",
         f"TTFT p50 / p95      cached {_ms(o['ttft_ms']['cached']['p50'])} / {_ms(o['ttft_ms']['cached']['p95'])}, "
         f"uncached {_ms(o['ttft_ms']['uncached']['p50'])} / {_ms(o['ttft_ms']['uncached']['p95'])}",
     ]

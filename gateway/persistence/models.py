@@ -64,6 +64,8 @@ class RequestLog(Base):
     error_type: Mapped[str | None] = mapped_column(String(64))
     # Which response cache answered: hit-exact, hit-semantic, miss, bypass; null when not cacheable.
     cache: Mapped[str | None] = mapped_column(String(16))
+    # Prompt tokens the upstream would have read without condensing; null when nothing was condensed.
+    condensed_from_tokens: Mapped[int | None] = mapped_column(Integer)
 
 
 class ResponseCacheEntry(Base):

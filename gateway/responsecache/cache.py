@@ -7,6 +7,12 @@
 
 Memory (exact directory, answer LRU, FAISS index) is rebuilt from SQL at start and kept current by
 the change feed; SQL is the source of truth shared by every replica.
+
+Stores have their own budget: answers wait in a bounded queue and one writer task inserts them in
+batches, so the store path holds at most one database connection however many requests finish at
+once, and never starves requests of the pool (200 concurrent streams once exhausted a 30-connection
+pool and lost thousands of answers). Only answers that validate against the wire schema are
+queued (`validate.is_storable`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from tqdm import tqdm
 
+from gateway.persistence.database import describe_db_error
 from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.embedder import Embedder
 from gateway.responsecache.exact import AnswerLRU, Directory
@@ -33,12 +40,14 @@ from gateway.responsecache.replay import hit_usage, is_complete, replay_json, re
 from gateway.responsecache.semantic import best_match
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter
+from gateway.responsecache.validate import is_storable
 from gateway.responsecache.verifier import Verifier
 
 log = logging.getLogger(__name__)
 HIT_EXACT, HIT_SEMANTIC, MISS, BYPASS = "hit-exact", "hit-semantic", "miss", "bypass"
 PROGRESS_MIN_ENTRIES = 10_000
 SWEEP_INTERVAL_S = 30.0
+STORE_BATCH = 128
 
 
 @dataclass(slots=True)
@@ -80,7 +89,12 @@ class ResponseCache:
         self._answers = AnswerLRU(settings.memory_entries)
         self._index = SemanticIndex()
         self._hits: Counter[int] = Counter()
-        self._pending: set[asyncio.Task[None]] = set()
+        self._store_queue: asyncio.Queue[tuple[Lookup, dict[str, Any], bytes]] = asyncio.Queue(settings.max_store_queue)
+        self._writer: asyncio.Task[None] | None = None
+        self._writing = False
+        self.num_stored = 0
+        self.num_store_dropped = 0  # queue full or the database refused the row
+        self.num_store_rejected = 0  # failed the wire-schema check
         # Answers handed to `store_later` whose SQL insert has not finished: served by exact key
         # at once, so a client asking again right after the last byte hits (an insert may take
         # seconds on a busy SQLite file).
@@ -109,8 +123,10 @@ class ResponseCache:
         await self._feed.start(seen)
 
     async def stop(self) -> None:
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+        await self._drain_stores()
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
         await self._feed.stop()
         await self._flush_hits()
         if self._embedder is not None:
@@ -118,13 +134,14 @@ class ResponseCache:
 
     async def sync(self) -> None:
         """Read what other replicas wrote, now (tests, admin)."""
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+        await self._drain_stores()
         await self._feed.catch_up()
 
     def stats(self) -> dict[str, Any]:
         return {"entries": len(self._directory), "semantic_entries": len(self._index),
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
+                "stored": self.num_stored, "store_queue": self._store_queue.qsize(),
+                "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
                 "verifier_threshold": self._verifier.threshold if self._verifier else None}
 
     def _add(self, metas: list[EntryMeta]) -> None:
@@ -182,8 +199,9 @@ class ResponseCache:
         lookup.status = MISS
         try:
             await self._lookup(lookup)
-        except Exception:
-            log.exception("response cache: lookup failed; going upstream")
+        except Exception as exc:
+            # The error's class only: a database error's text may quote the prompt.
+            log.error("response cache: lookup failed; going upstream (%s)", describe_db_error(exc))
             lookup.status, lookup.answer = MISS, None
         return lookup
 
@@ -213,6 +231,10 @@ class ResponseCache:
                 self._remove([entry_id])
                 return False
             answer = orjson.loads(raw)
+            if not is_storable(answer):
+                # Written before answers were validated: never replay it.
+                self._remove([entry_id])
+                return False
             self._answers.put(entry_id, answer)
         lookup.answer, lookup.entry_id = answer, entry_id
         self._hits[entry_id] += 1
@@ -230,38 +252,89 @@ class ResponseCache:
         return Response(body, media_type="application/json", headers=headers)
 
     def store_later(self, lookup: Lookup, completion: dict[str, Any] | None) -> None:
-        """Store a complete, successful answer in the background; anything else is dropped."""
+        """Queue a complete, valid answer for the writer; anything else is dropped. Never blocks."""
         if lookup.answer is not None or not lookup.controls.write or completion is None:
             return
         if not is_complete(completion):
             return
+        if not is_storable(completion):
+            self.num_store_rejected += 1
+            log.warning("response cache: an upstream answer failed the wire schema; not stored")
+            return
         raw = orjson.dumps(completion)
         if len(raw) > self.settings.max_answer_bytes:
             return
-        self._storing[lookup.key] = (completion, time.time() + self._ttl_s(lookup), lookup)
-        task = asyncio.create_task(self._store_entry(lookup, completion, raw))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-    async def _store_entry(self, lookup: Lookup, completion: dict[str, Any], raw: bytes) -> None:
         try:
-            if lookup.partition is not None and lookup.vector is None and self._embedder is not None:
-                lookup.vector = await self._embedder.embed(lookup.query or "")
+            self._store_queue.put_nowait((lookup, completion, raw))
+        except asyncio.QueueFull:
+            self.num_store_dropped += 1
+            return
+        self._storing[lookup.key] = (completion, time.time() + self._ttl_s(lookup), lookup)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_forever(), name="response-cache-writer")
+
+    async def _drain_stores(self) -> None:
+        """Wait until every queued answer has been written (tests, shutdown)."""
+        while (not self._store_queue.empty() or self._writing) and self._writer is not None \
+                and not self._writer.done():
+            await asyncio.sleep(0.01)
+
+    async def _write_forever(self) -> None:
+        while True:
+            batch = [await self._store_queue.get()]
+            while len(batch) < STORE_BATCH and not self._store_queue.empty():
+                batch.append(self._store_queue.get_nowait())
+            self._writing = True
+            try:
+                await self._write_batch(batch)
+            except Exception as exc:
+                self.num_store_dropped += len(batch)
+                log.error("response cache: storing %d answers failed (%s)", len(batch), describe_db_error(exc))
+            finally:
+                self._writing = False
+                for lookup, completion, _ in batch:
+                    if self._storing.get(lookup.key, (None,))[0] is completion:
+                        del self._storing[lookup.key]
+
+    async def _write_batch(self, batch: list[tuple[Lookup, dict[str, Any], bytes]]) -> None:
+        need = [lk for lk, _, _ in batch if lk.partition is not None and lk.vector is None]
+        if need and self._embedder is not None:
+            vectors = await asyncio.gather(*(self._embedder.embed(lk.query or "") for lk in need))
+            for lk, vector in zip(need, vectors, strict=True):
+                lk.vector = vector
+        rows: list[tuple[EntryMeta, bytes, dict[str, Any]]] = []
+        for lookup, completion, raw in batch:
             ttl_s = self._ttl_s(lookup)
             semantic = lookup.partition is not None and lookup.vector is not None
             meta = EntryMeta(0, lookup.tenant, lookup.controls.namespace, lookup.model, lookup.key,
                              lookup.partition if semantic else None, lookup.query if semantic else None,
                              lookup.vector if semantic else None, time.time() + ttl_s)
-            meta.id = await self._store.insert(meta, raw)
-            self._feed.mark_seen(meta.id)
+            rows.append((meta, raw, completion))
+        if not rows:
+            return
+        try:
+            ids = await self._store.insert_many([(m, r) for m, r, _ in rows])
+            stored = rows
+        except Exception as exc:
+            # One bad row must not cost the others: write them one by one.
+            log.error("response cache: a batch of %d answers failed (%s); retrying one by one",
+                      len(rows), describe_db_error(exc))
+            ids, stored = [], []
+            for row in rows:
+                try:
+                    ids.append(await self._store.insert(row[0], row[1]))
+                    stored.append(row)
+                except Exception as one:
+                    self.num_store_dropped += 1
+                    log.error("response cache: an answer was not stored (%s)", describe_db_error(one))
+        for (meta, _, completion), entry_id in zip(stored, ids, strict=True):
+            meta.id = entry_id
+            self._feed.mark_seen(entry_id)
             self._add([meta])
-            self._answers.put(meta.id, completion)
+            self._answers.put(entry_id, completion)
+        self.num_stored += len(stored)
+        if stored:
             await self._feed.announce()
-        except Exception:
-            log.exception("response cache: storing an answer failed")
-        finally:
-            if self._storing.get(lookup.key, (None,))[0] is completion:
-                del self._storing[lookup.key]
 
     def _ttl_s(self, lookup: Lookup) -> float:
         return min(lookup.controls.ttl_s or self.settings.default_ttl_s, self.settings.max_ttl_s)

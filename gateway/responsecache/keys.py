@@ -7,8 +7,9 @@ how it is delivered (`stream`, `stream_options`), bookkeeping (`user`, `metadata
 kvgate's own controls.
 
 The semantic partition is the same request with the last user turn's text blanked out and the
-sampling knobs dropped: two requests share a partition only when their system prompt, tools and
-history are identical, so a paraphrase can match only within the same conversation context.
+temperature knobs dropped: two requests share a partition only when their system prompt, tools,
+history, length limit and seed are identical, so a paraphrase can match only within the same
+conversation context, and a request capped at 3 tokens never gets a full answer.
 Keys are SHA-256 hex digests; they never leave the gateway.
 """
 
@@ -24,7 +25,7 @@ ExactKey = NewType("ExactKey", str)
 PartitionKey = NewType("PartitionKey", str)
 
 NOT_IN_KEY = frozenset({"stream", "stream_options", "user", "metadata", "store", "kvgate"})
-NOT_IN_PARTITION = NOT_IN_KEY | {"temperature", "top_p", "seed", "max_tokens", "max_completion_tokens"}
+NOT_IN_PARTITION = NOT_IN_KEY | {"temperature", "top_p"}
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 

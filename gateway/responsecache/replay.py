@@ -30,9 +30,17 @@ def is_complete(completion: dict[str, Any]) -> bool:
 
 
 def assemble_stream(chunks: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The `chat.completion` a list of `chat.completion.chunk` payloads adds up to."""
+    """The `chat.completion` a list of `chat.completion.chunk` payloads adds up to; None when they
+    do not add up to one (malformed chunks are the upstream's, and must not fail the stream's end)."""
     if not chunks:
         return None
+    try:
+        return _assemble(chunks, usage)
+    except (AttributeError, TypeError, KeyError, ValueError):
+        return None
+
+
+def _assemble(chunks: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any] | None:
     first = chunks[0]
     choices: dict[int, dict[str, Any]] = {}
     for chunk in chunks:

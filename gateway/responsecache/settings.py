@@ -33,6 +33,9 @@ class ResponseCacheSettings(BaseModel):
     redis_channel: str = Field(default="kvgate:responsecache", description="Redis pub/sub channel of the feed.")
     poll_interval_s: float = Field(default=0.25, gt=0, description="How often a replica reads new entries from SQL.")
     max_answer_bytes: int = Field(default=1 << 20, gt=0, description="Larger answers are not stored.")
+    max_store_queue: int = Field(
+        default=50_000, gt=0, description="Answers waiting for the store writer; beyond it they are dropped (counted).",
+    )
 
     @field_validator("redis_url", mode="before")
     @classmethod

@@ -103,6 +103,11 @@ class Router:
         if not serving and self._undiscovered and stale:
             await self.discover()
             serving = self._serving.get(model_id)
+        if not serving and self._undiscovered:
+            # An upstream that could not list its models may serve this one: that is an outage, not
+            # an unknown model (a client would otherwise drop a valid model name).
+            names = ", ".join(sorted(self._undiscovered))
+            raise UpstreamUnavailable(f"cannot list the models of upstream(s) {names}; try again later")
         if not serving:
             raise ModelNotFound(f"The model {model_id!r} does not exist or is not served here", param="model")
         return serving

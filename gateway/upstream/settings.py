@@ -39,6 +39,9 @@ class UpstreamSettings(BaseModel):
     models: list[str] = Field(default_factory=list)
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
+    # Idle pooled connections are closed after this long: below the upstream's own keep-alive timeout
+    # (uvicorn, and so vLLM and SGLang, close idle connections after 5 s), or reuse races its close.
+    keepalive_timeout_s: float = Field(default=4.0, gt=0)
     inject_stream_usage: bool = True
     # A kvgate engine (`kvgate engine`): send it the tenant's KV salt so tenants keep separate blocks.
     send_cache_salt: bool = False

@@ -134,6 +134,9 @@ function tiles(o) {
      num(o.tokens_saved.response_cache) + " response cache, " + num(o.tokens_saved.kv_cache) + " KV"],
     ["Cost saved", usd(saved), saved === null ? "set KVGATE_USAGE__PRICES to price a model"
                                               : usd(o.cost_saved_usd.response_cache) + " response cache"],
+    ["Tokens condensed", num(o.tokens_saved.condensing ?? 0),
+     (o.cost_saved_usd.condensing == null ? "" : usd(o.cost_saved_usd.condensing) + " saved: ")
+     + "context cut by the small model before the upstream"],
     ["TTFT cached", ms(o.ttft_ms.cached.p50), "p50; p95 " + ms(o.ttft_ms.cached.p95)],
     ["TTFT uncached", ms(o.ttft_ms.uncached.p50), "p50; p95 " + ms(o.ttft_ms.uncached.p95)],
   ];
