@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from gateway.api import admin, health, openai
+from gateway.api import admin, dashboard, health, openai
 from gateway.api.openapi import install_openapi
 from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
@@ -139,6 +139,10 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app)
     install_observability(app, settings)
+    if settings.observability.metrics_enabled:
+        app.include_router(dashboard.metrics_router)
+    if settings.observability.dashboard_enabled:
+        app.include_router(dashboard.dashboard_router)
     app.include_router(openai.router)
     app.include_router(health.router)
     app.include_router(admin.router)

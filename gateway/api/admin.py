@@ -6,10 +6,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.api.body import read_json
-from gateway.api.deps import PrincipalDep, ServicesDep
+from gateway.api.deps import AdminDep, ServicesDep
 from gateway.api.responses import json_response
-from gateway.errors import InvalidField, InvalidRequest, NotFound, PermissionDenied
-from gateway.persistence.keys import Principal
+from gateway.errors import InvalidField, InvalidRequest, NotFound
 from gateway.responsecache.cache import ResponseCache
 from gateway.responsecache.store import PurgeFilter
 from gateway.services import Services
@@ -20,18 +19,16 @@ router = APIRouter(prefix="/admin")
 PURGE_FIELD_CHARS = {"tenant": 128, "namespace": 128, "model": 256}
 
 
-def _cache(services: Services, principal: Principal) -> ResponseCache:
-    if not principal.is_admin:
-        raise PermissionDenied("this route needs the admin key")
+def _cache(services: Services) -> ResponseCache:
     if services.response_cache is None:
         raise NotFound("the response cache is off", code="response_cache_off")
     return services.response_cache
 
 
 @router.post("/response-cache/purge")
-async def purge(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+async def purge(request: Request, services: ServicesDep, _: AdminDep) -> Response:
     """Body: any of `tenant`, `namespace`, `model` (all given must match), or `{"all": true}`."""
-    cache = _cache(services, principal)
+    cache = _cache(services)
     body = await read_json(request, services.settings.max_body_bytes)
     fields = {k: body.get(k) for k in ("tenant", "namespace", "model") if body.get(k) is not None}
     for name, value in fields.items():
@@ -47,5 +44,5 @@ async def purge(request: Request, services: ServicesDep, principal: PrincipalDep
 
 
 @router.get("/response-cache/stats")
-async def stats(services: ServicesDep, principal: PrincipalDep) -> Response:
-    return json_response(_cache(services, principal).stats())
+async def stats(services: ServicesDep, _: AdminDep) -> Response:
+    return json_response(_cache(services).stats())

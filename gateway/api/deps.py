@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from gateway.api.auth import authenticate
+from gateway.errors import PermissionDenied
 from gateway.persistence.keys import Principal
 from gateway.services import Services
 
@@ -16,5 +17,19 @@ def get_services(request: Request) -> Services:
     return services
 
 
+async def require_admin(request: Request) -> None:
+    """The one admin gate (admin routes, dashboard data, /metrics when it asks for a key): 401
+    without a key, 403 with a tenant's key; open only when the whole gateway is (--no-auth, which
+    is allowed on loopback only)."""
+    if request.app.state.services.settings.no_auth:
+        return
+    principal = await authenticate(request)
+    if not principal.is_admin:
+        raise PermissionDenied(
+            f"this is an API key of tenant {principal.tenant!r}; this route needs an admin key: the one "
+            "`kvgate serve` printed at first start, a new one from `kvgate keys create --admin`, or KVGATE_ADMIN_KEY")
+
+
 ServicesDep = Annotated[Services, Depends(get_services)]
 PrincipalDep = Annotated[Principal, Depends(authenticate)]
+AdminDep = Annotated[None, Depends(require_admin)]

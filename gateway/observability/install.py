@@ -1,5 +1,6 @@
-"""Wires metrics, the request-id middleware and the dashboard into an app: `install_observability`
-in `create_app`, `attach_observability` in the lifespan once the services exist."""
+"""Wires metrics and the request-id middleware into an app: `install_observability` in
+`create_app`, `attach_observability` in the lifespan once the services exist. The routes that
+show them (`/metrics`, `/dashboard`) are the HTTP edge's: gateway/api/dashboard.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from fastapi import FastAPI
 
 from gateway.observability.metrics import Metrics
 from gateway.observability.middleware import RequestIdMiddleware
-from gateway.observability.routes import dashboard_router, metrics_router
 
 if TYPE_CHECKING:
     from gateway.engine.service import Engine
@@ -25,10 +25,6 @@ def install_observability(app: FastAPI, settings: Settings) -> Metrics:
     metrics = Metrics(settings.observability, settings.price_for)
     app.state.metrics = metrics
     app.add_middleware(RequestIdMiddleware, metrics=metrics, access_log=settings.observability.access_log)
-    if settings.observability.metrics_enabled:
-        app.include_router(metrics_router)
-    if settings.observability.dashboard_enabled:
-        app.include_router(dashboard_router)
     return metrics
 
 

@@ -15,10 +15,9 @@ from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from gateway.api.auth import authenticate
-from gateway.api.deps import ServicesDep
+from gateway.api.deps import AdminDep, ServicesDep, require_admin
 from gateway.api.responses import json_response
-from gateway.errors import InvalidField, NotFound, PermissionDenied
+from gateway.errors import InvalidField, NotFound
 from gateway.observability.kv_tiers import remote_tier_rows, tier_rows
 from gateway.observability.metrics import Metrics
 from gateway.observability.summary import build_summary, parse_duration
@@ -36,19 +35,6 @@ def get_metrics(request: Request) -> Metrics:
 
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 
-
-async def require_admin(request: Request) -> None:
-    """401 without a key, 403 with a tenant's key; open only when the whole gateway is (--no-auth)."""
-    if request.app.state.services.settings.no_auth:
-        return
-    principal = await authenticate(request)
-    if not principal.is_admin:
-        raise PermissionDenied(
-            f"this is an API key of tenant {principal.tenant!r}; this route needs an admin key: the one "
-            "`kvgate serve` printed at first start, a new one from `kvgate keys create --admin`, or KVGATE_ADMIN_KEY")
-
-
-AdminDep = Annotated[None, Depends(require_admin)]
 
 metrics_router = APIRouter()
 dashboard_router = APIRouter(prefix="/dashboard")

@@ -1,0 +1,40 @@
+"""One admin gate (api/deps.py `require_admin`) for the admin routes, the dashboard data and a
+keyed /metrics: the same answer for the same key on every one of them, --no-auth included."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ADMIN_SECRET, Gateway, start_gateway
+
+ADMIN_ROUTES = ["/admin/response-cache/stats", "/dashboard/api/summary"]
+
+
+@pytest.fixture(scope="module")
+def open_gateway(fake_upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    database_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('noauth') / 'kvgate.db'}"
+    yield from start_gateway(fake_upstream, database_url, no_auth=True, admin_key=None)
+
+
+@pytest.mark.parametrize("path", ADMIN_ROUTES)
+def test_admin_routes_share_one_gate(gateway: Gateway, path: str) -> None:
+    assert httpx.get(gateway.base_url + path).status_code == 401
+    tenant = httpx.get(gateway.base_url + path, headers={"authorization": f"Bearer {gateway.api_key}"})
+    assert tenant.status_code == 403
+    assert "admin key" in tenant.json()["error"]["message"]
+    admin = httpx.get(gateway.base_url + path, headers={"authorization": f"Bearer {ADMIN_SECRET}"})
+    assert admin.status_code == 200
+
+
+@pytest.mark.parametrize("path", ADMIN_ROUTES)
+def test_no_auth_opens_every_admin_route_alike(open_gateway: Gateway, path: str) -> None:
+    assert httpx.get(open_gateway.base_url + path).status_code == 200
+
+
+def test_observability_defines_no_routes() -> None:
+    package = Path(__file__).resolve().parents[2] / "gateway" / "observability"
+    assert not any("APIRouter" in p.read_text() for p in package.glob("*.py"))
