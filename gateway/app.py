@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from gateway.api import admin, health, openai
+from gateway.api import admin, health, messages, openai, responses_api
 from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
 from gateway.observability.install import attach_observability, install_observability
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
 from gateway.persistence.keys import KeyStore, create_first_key
 from gateway.persistence.request_log import RequestLogWriter
+from gateway.pipeline.native import NativeMessages
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
 from gateway.services import Services
@@ -81,6 +82,9 @@ def create_app(settings: Settings) -> FastAPI:
             if metrics is not None:
                 metrics.observe_prefix_break(reason, tenant=tenant, model=model)
 
+        proxy = Proxy(router, request_log, response_cache,
+                      preparer=Preparer(settings.canonical, settings.routing, on_break=on_break),
+                      accountant=Accountant(settings.usage.prices))
         app.state.services = Services(
             settings=settings,
             db=db,
@@ -88,10 +92,9 @@ def create_app(settings: Settings) -> FastAPI:
             keys=KeyStore(sessions, settings.admin_key, settings.key_cache_ttl_s),
             request_log=request_log,
             router=router,
-            proxy=Proxy(router, request_log, response_cache,
-                        preparer=Preparer(settings.canonical, settings.routing, on_break=on_break),
-                        accountant=Accountant(settings.usage.prices)),
+            proxy=proxy,
             response_cache=response_cache,
+            native_messages=NativeMessages(router, request_log, response_cache, proxy.flights),
         )
         try:
             yield
@@ -108,6 +111,8 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     install_observability(app, settings)
     app.include_router(openai.router)
+    app.include_router(messages.router)
+    app.include_router(responses_api.router)
     app.include_router(health.router)
     app.include_router(admin.router)
     return app

@@ -18,10 +18,11 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 
 from gateway.canonical.prepare import Prepared, Preparer
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UpstreamError
 from gateway.persistence.keys import Principal
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
-from gateway.responsecache.cache import Lookup, ResponseCache
+from gateway.pipeline.singleflight import Flight, SingleFlight
+from gateway.responsecache.cache import HIT_INFLIGHT, Lookup, ResponseCache
 from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.replay import assemble_stream
 from gateway.upstream.backend import Backend, JSONObject
@@ -52,8 +53,9 @@ class Call:
 class Proxy:
     def __init__(self, router: Router, request_log: RequestLogWriter,
                  response_cache: ResponseCache | None = None, preparer: Preparer | None = None,
-                 accountant: Accountant | None = None) -> None:
+                 accountant: Accountant | None = None, flights: SingleFlight | None = None) -> None:
         self._router = router
+        self.flights = flights or SingleFlight()
         self._log = request_log
         self._cache = response_cache
         self._preparer = preparer
@@ -63,7 +65,7 @@ class Proxy:
         """Canonical body, prefix-break diagnostics and prefix blocks (chat and completions)."""
         if self._preparer is None or call.route == "embeddings":
             return Prepared(call.body)
-        prepared = self._preparer.prepare(call.principal.tenant, call.body, chat=call.route == "chat.completions",
+        prepared = self._preparer.prepare(call.principal.tenant, call.body, chat=call.path == "/chat/completions",
                                           session=call.session)
         call.body = prepared.body
         return prepared
@@ -82,9 +84,14 @@ class Proxy:
                 response.headers.update(prepared.headers)
                 return response
         cache_status = lookup.status if lookup else None
+        flight: Flight | None = None
+        if lookup is not None and self._cache is not None and lookup.controls.read:
+            flight, leads = self.flights.join(lookup.key)
+            if not leads:
+                return await self._follow(call, started, prepared, lookup, flight)
         try:
             if call.stream:
-                return await self._forward_stream(call, started, prepared, lookup)
+                return await self._forward_stream(call, started, prepared, lookup, flight)
             result, route = await self._router.call(
                 call.model, lambda b: b.post_json(call.path, call.body, salt=tenant_salt(call.principal.tenant)),
                 blocks=prepared.blocks,
@@ -93,6 +100,12 @@ class Proxy:
             backend = route.backend
         except GatewayError as exc:
             self._record(call, started, status=exc.status_code, error=exc, cache=cache_status)
+            if flight is not None:
+                self.flights.fail(flight, exc)
+            raise
+        except BaseException:
+            if flight is not None:
+                self.flights.fail(flight, UpstreamError("the identical request this one waited for was cancelled"))
             raise
         ttfb = time.perf_counter()
         headers = {"x-request-id": call.request_id, **prepared.headers}
@@ -103,13 +116,33 @@ class Proxy:
             raw = orjson.dumps({**result.body, "usage": usage, "kvgate": {"usage_source": accounted.source}})
             headers["x-kvgate-usage-source"] = accounted.source
         self._record(call, started, status=200, backend=backend, usage=usage, ttfb_s=ttfb, cache=cache_status)
+        stored = None
         if lookup is not None and self._cache is not None:
-            self._cache.store_later(lookup, result.body)
+            stored = self._cache.store_later(lookup, result.body)
             headers.update(lookup.headers)
+        if flight is not None:
+            self.flights.resolve(flight, result.body, linger=stored)
         return Response(raw, media_type="application/json", headers=headers)
 
+    async def _follow(self, call: Call, started: float, prepared: Prepared, lookup: Lookup,
+                      flight: Flight) -> Response:
+        """Answer from the leader of an identical request in flight, as a cache hit would be."""
+        assert self._cache is not None
+        try:
+            answer = await self.flights.wait(flight)
+        except GatewayError as exc:
+            self._record(call, started, status=exc.status_code, error=exc, cache=HIT_INFLIGHT)
+            raise
+        lookup.answer, lookup.status = answer, HIT_INFLIGHT
+        self._record(call, started, status=200, usage=lookup.hit_usage, ttfb_s=time.perf_counter(),
+                     cache=lookup.status)
+        response = self._cache.replay(lookup, stream=call.stream, include_usage=call.include_usage,
+                                      request_id=call.request_id)
+        response.headers.update(prepared.headers)
+        return response
+
     async def _forward_stream(self, call: Call, started: float, prepared: Prepared,
-                              lookup: Lookup | None = None) -> Response:
+                              lookup: Lookup | None = None, flight: Flight | None = None) -> Response:
         def open_on(backend: Backend) -> Any:
             return backend.post_stream(call.path, _stream_body(call, backend), salt=tenant_salt(call.principal.tenant))
 
@@ -126,7 +159,7 @@ class Proxy:
 
         outcome = StreamOutcome(started_s=started)
         storing = lookup is not None and self._cache is not None and lookup.controls.write
-        if storing:
+        if storing or flight is not None:
             outcome.chunks = []
         drop_usage = not call.include_usage
 
@@ -151,8 +184,17 @@ class Proxy:
                     ttfb_s=outcome.first_byte_s, error=error, cache=lookup.status if lookup else None,
                 )
                 # Only a stream that reached [DONE] without an error is an answer worth keeping.
-                if storing and outcome.completed and error is None and lookup and self._cache:
-                    self._cache.store_later(lookup, assemble_stream(outcome.chunks or [], outcome.usage))
+                answer = assemble_stream(outcome.chunks or [], outcome.usage) \
+                    if outcome.completed and error is None else None
+                stored = None
+                if storing and answer is not None and lookup and self._cache:
+                    stored = self._cache.store_later(lookup, answer)
+                if flight is not None:
+                    if answer is not None:
+                        self.flights.resolve(flight, answer, linger=stored)
+                    else:
+                        self.flights.fail(flight, error or UpstreamError(
+                            "the identical request this one waited for ended before its answer was complete"))
 
         async def events() -> AsyncIterator[bytes]:
             try:

@@ -8,6 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from gateway.persistence.keys import KeyStore
 from gateway.persistence.request_log import RequestLogWriter
+from gateway.pipeline.native import NativeMessages
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import ResponseCache
 from gateway.settings import Settings
@@ -24,3 +25,4 @@ class Services:
     router: Router
     proxy: Proxy
     response_cache: ResponseCache | None = None
+    native_messages: NativeMessages | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -35,6 +35,10 @@ class UpstreamSettings(BaseModel):
     inject_stream_usage: bool = True
     # A kvgate engine (`kvgate engine`): send it the tenant's KV salt so tenants keep separate blocks.
     send_cache_salt: bool = False
+    # "anthropic": an Anthropic-style API (x-api-key auth); /v1/messages is forwarded to it unchanged.
+    api: Literal["openai", "anthropic"] = "openai"
+    # Speaks OpenAI's /v1/responses itself: Responses requests are forwarded, not translated.
+    responses_api: bool = False
 
     @field_validator("base_url")
     @classmethod

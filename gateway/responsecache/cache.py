@@ -37,6 +37,9 @@ from gateway.responsecache.verifier import Verifier
 
 log = logging.getLogger(__name__)
 HIT_EXACT, HIT_SEMANTIC, MISS, BYPASS = "hit-exact", "hit-semantic", "miss", "bypass"
+# Answered from an identical request's upstream call that was in flight (single-flight).
+HIT_INFLIGHT = "hit-inflight"
+KINDS = {HIT_EXACT: "exact", HIT_SEMANTIC: "semantic", HIT_INFLIGHT: "inflight"}
 PROGRESS_MIN_ENTRIES = 10_000
 SWEEP_INTERVAL_S = 30.0
 
@@ -207,7 +210,7 @@ class ResponseCache:
 
     def replay(self, lookup: Lookup, *, stream: bool, include_usage: bool, request_id: str) -> Response:
         assert lookup.answer is not None
-        kind = "exact" if lookup.status == HIT_EXACT else "semantic"
+        kind = KINDS.get(lookup.status, "exact")
         headers = {**lookup.headers, "x-request-id": request_id}
         if stream:
             events = replay_sse(lookup.answer, kind, lookup.similarity, include_usage=include_usage)
@@ -216,15 +219,19 @@ class ResponseCache:
         body = orjson.dumps(replay_json(lookup.answer, kind, lookup.similarity))
         return Response(body, media_type="application/json", headers=headers)
 
-    def store_later(self, lookup: Lookup, completion: dict[str, Any] | None) -> None:
-        """Store a complete, successful answer in the background; anything else is dropped."""
+    def store_later(self, lookup: Lookup, completion: dict[str, Any] | None,
+                    complete: bool | None = None) -> asyncio.Task[None] | None:
+        """Store a complete, successful answer in the background; anything else is dropped.
+        `complete` overrides the chat-completion check for answers of another shape (Anthropic
+        messages, embeddings). Returns the write, for whoever must wait until it is readable."""
         if lookup.answer is not None or not lookup.controls.write or completion is None:
-            return
-        if not is_complete(completion):
-            return
+            return None
+        if not (is_complete(completion) if complete is None else complete):
+            return None
         task = asyncio.create_task(self._store_entry(lookup, completion))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        return task
 
     async def _store_entry(self, lookup: Lookup, completion: dict[str, Any]) -> None:
         try:

@@ -24,6 +24,7 @@ from gateway.upstream.backend import JSONObject, UpstreamJSON
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
 SALT_HEADER = "x-kvgate-cache-salt"
+ANTHROPIC_VERSION = "2023-06-01"
 
 
 class UpstreamConnectError(UpstreamUnavailable):
@@ -83,7 +84,11 @@ class HttpBackend:
         self.supports_stream_usage = config.inject_stream_usage
         api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
         self._headers = {"content-type": "application/json", "accept-encoding": "identity"}
-        if api_key:
+        if config.api == "anthropic":
+            self._headers["anthropic-version"] = ANTHROPIC_VERSION
+            if api_key:
+                self._headers["x-api-key"] = api_key
+        elif api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
         self._base = config.base_url
         self._timeout = aiohttp.ClientTimeout(

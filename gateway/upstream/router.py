@@ -101,6 +101,10 @@ class Router:
             raise ModelNotFound(f"The model {model_id!r} does not exist or is not served here", param="model")
         return serving
 
+    async def serving(self, model_id: str) -> list[Backend]:
+        """The backends that serve `model_id` (ModelNotFound when none does)."""
+        return list(await self._candidates(model_id))
+
     def serves_alone(self, model_id: str) -> bool:
         return len(self._serving.get(model_id, ())) <= 1
 

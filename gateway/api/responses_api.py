@@ -1,0 +1,39 @@
+"""OpenAI's Responses API (`POST /v1/responses`), translated to chat completions for upstreams that
+do not speak it (the built-in engine included), through the same caches, single-flight and
+accounting as `/v1/chat/completions`. JSON and SSE, in the event types the openai SDK parses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from gateway.api.body import read_json
+from gateway.api.deps import PrincipalDep, ServicesDep
+from gateway.api.openai import request_id
+from gateway.api.translate import translate_json, translate_stream
+from gateway.proxy import Call
+from gateway.responsecache.controls import read_controls
+from gateway.schemas import responses_api
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/responses")
+async def responses(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+    body = await read_json(request, services.settings.max_body_bytes)
+    controls = read_controls(request.headers, body)
+    chat = responses_api.to_chat_request(body)
+    model, stream = chat["model"], bool(body.get("stream"))
+    call = Call(request_id(request), principal, "responses", "/chat/completions", model, chat, stream=stream,
+                include_usage=True, cache=controls, session=request.headers.get("x-kvgate-session"))
+    response = await services.proxy.forward(call)
+    if stream:
+        translator = responses_api.ChatToResponsesStream(body, model)
+        return translate_stream(response, translator, translator.error)
+
+    def convert(completion: dict[str, Any]) -> dict[str, Any]:
+        return responses_api.from_chat_completion(completion, body)
+
+    return translate_json(response, convert)
