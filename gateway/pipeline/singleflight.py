@@ -14,7 +14,6 @@ Only exact keys join a flight; the flights live in one process (replicas do not 
 from __future__ import annotations
 
 import asyncio
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +58,7 @@ class SingleFlight:
         try:
             return await asyncio.shield(flight.future)
         except GatewayError as exc:
-            raise copy.copy(exc) from None
+            raise _clone(exc) from None
 
     def resolve(self, flight: Flight, answer: Answer, linger: asyncio.Future[Any] | None = None) -> None:
         """Give the followers `answer`; forget the flight now, or once `linger` (the cache write)
@@ -84,3 +83,12 @@ class SingleFlight:
     def _forget(self, flight: Flight) -> None:
         if self._flights.get(flight.key) is flight:
             del self._flights[flight.key]
+
+
+def _clone(error: GatewayError) -> GatewayError:
+    """The same error for another waiter: one exception object raised in many tasks would share
+    (and grow) one traceback. Built without `__init__`, whose arguments differ by subclass."""
+    clone = error.__class__.__new__(error.__class__)
+    clone.__dict__.update(error.__dict__)
+    clone.args = error.args
+    return clone
