@@ -18,6 +18,7 @@ from gateway.observability.install import attach_observability, install_observab
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
 from gateway.persistence.keys import KeyStore, create_first_key
 from gateway.persistence.request_log import RequestLogWriter
+from gateway.pipeline.embeddings import EmbeddingCache
 from gateway.pipeline.native import NativeMessages
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
@@ -95,6 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
             proxy=proxy,
             response_cache=response_cache,
             native_messages=NativeMessages(router, request_log, response_cache, proxy.flights),
+            embedding_cache=EmbeddingCache(response_cache, proxy) if response_cache is not None else None,
         )
         try:
             yield

@@ -8,6 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from gateway.persistence.keys import KeyStore
 from gateway.persistence.request_log import RequestLogWriter
+from gateway.pipeline.embeddings import EmbeddingCache
 from gateway.pipeline.native import NativeMessages
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import ResponseCache
@@ -26,3 +27,4 @@ class Services:
     proxy: Proxy
     response_cache: ResponseCache | None = None
     native_messages: NativeMessages | None = None
+    embedding_cache: EmbeddingCache | None = None
