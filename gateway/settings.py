@@ -39,6 +39,8 @@ class UpstreamSettings(BaseModel):
     api: Literal["openai", "anthropic"] = "openai"
     # Speaks OpenAI's /v1/responses itself: Responses requests are forwarded, not translated.
     responses_api: bool = False
+    # Forward prompt_cache_key and cache_salt; false for upstreams that reject fields they do not know.
+    prompt_cache_fields: bool = True
 
     @field_validator("base_url")
     @classmethod
@@ -78,6 +80,8 @@ class Settings(BaseSettings):
     log_prompts: bool = False
     request_log_batch: int = Field(default=256, gt=0)
     key_cache_ttl_s: float = 30.0
+    # Give requests with x-kvgate-session and no prompt_cache_key one derived from tenant and session.
+    derive_prompt_cache_key: bool = False
     canonical: CanonicalSettings = Field(default_factory=CanonicalSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     usage: UsageSettings = Field(default_factory=UsageSettings)

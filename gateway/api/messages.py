@@ -18,6 +18,7 @@ from gateway.api.body import read_json
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.openai import request_id
 from gateway.api.translate import translate_json, translate_stream
+from gateway.canonical.prompt_cache import with_prompt_cache_key
 from gateway.proxy import Call
 from gateway.responsecache.controls import read_controls
 from gateway.schemas import anthropic
@@ -49,7 +50,8 @@ async def messages(request: Request, services: ServicesDep, principal: Principal
         call = Call(request_id(request), principal, "messages", "/messages", model, body, stream=stream,
                     cache=controls, session=session)
         return await services.native_messages.forward(call)
-    chat = anthropic.to_chat_request(body)
+    chat = with_prompt_cache_key(anthropic.to_chat_request(body), principal.tenant, session,
+                                 derive=services.settings.derive_prompt_cache_key)
     call = Call(request_id(request), principal, "messages", "/chat/completions", model, chat, stream=stream,
                 include_usage=True, cache=controls, session=session)
     response = await services.proxy.forward(call)

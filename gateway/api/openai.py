@@ -10,6 +10,7 @@ from starlette.responses import Response
 from gateway.api.body import read_json, validate
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.responses import json_response
+from gateway.canonical.prompt_cache import with_prompt_cache_key
 from gateway.proxy import Call
 from gateway.responsecache.controls import read_controls
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -31,6 +32,8 @@ async def chat_completions(request: Request, services: ServicesDep, principal: P
     controls = read_controls(request.headers, body)
     parsed = validate(ChatCompletionRequest, body)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+    body = with_prompt_cache_key(body, principal.tenant, request.headers.get("x-kvgate-session"),
+                                 derive=services.settings.derive_prompt_cache_key)
     call = Call(
         request_id(request), principal, "chat.completions", "/chat/completions", parsed.model, body,
         stream=parsed.stream, include_usage=include_usage, cache=controls,

@@ -13,6 +13,7 @@ from gateway.api.body import read_json
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.openai import request_id
 from gateway.api.translate import translate_json, translate_stream
+from gateway.canonical.prompt_cache import with_prompt_cache_key
 from gateway.proxy import Call
 from gateway.responsecache.controls import read_controls
 from gateway.schemas import responses_api
@@ -24,10 +25,12 @@ router = APIRouter(prefix="/v1")
 async def responses(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
     controls = read_controls(request.headers, body)
-    chat = responses_api.to_chat_request(body)
+    session = request.headers.get("x-kvgate-session")
+    chat = with_prompt_cache_key(responses_api.to_chat_request(body), principal.tenant, session,
+                                 derive=services.settings.derive_prompt_cache_key)
     model, stream = chat["model"], bool(body.get("stream"))
     call = Call(request_id(request), principal, "responses", "/chat/completions", model, chat, stream=stream,
-                include_usage=True, cache=controls, session=request.headers.get("x-kvgate-session"))
+                include_usage=True, cache=controls, session=session)
     response = await services.proxy.forward(call)
     if stream:
         translator = responses_api.ChatToResponsesStream(body, model)

@@ -66,7 +66,11 @@ class Lookup:
 
     @property
     def headers(self) -> dict[str, str]:
-        headers = {"x-kvgate-cache": self.status}
+        """What happened, and the names of the entry: its id when one was served, its key always
+        (a miss's answer is stored under that key; DELETE it through the admin API by either)."""
+        headers = {"x-kvgate-cache": self.status, "x-kvgate-cache-key": self.key}
+        if self.entry_id is not None:
+            headers["x-kvgate-cache-id"] = str(self.entry_id)
         if self.similarity is not None:
             headers["x-kvgate-similarity"] = f"{self.similarity:.4f}"
         return headers
@@ -252,6 +256,21 @@ class ResponseCache:
             await self._feed.announce()
         except Exception:
             log.exception("response cache: storing an answer failed")
+
+    async def count_never_read(self) -> int:
+        """Live entries stored and never served: writes that bought nothing (yet)."""
+        await self._flush_hits()
+        return await self._store.count_never_read()
+
+    async def delete(self, *, entry_id: int | None = None, key: str | None = None) -> int:
+        """Delete one entry by id, or every entry of an exact key, here and in SQL. Other replicas
+        drop it from memory when they next fail to load it (an answer they hold in their LRU may
+        be served until it is evicted or purged)."""
+        ids = [entry_id] if entry_id is not None else \
+            [m.id for m in self._directory.by_id.values() if m.exact_key == key]
+        deleted = await self._store.delete(ids=ids, key=key)
+        self._remove([i for i in ids if i is not None])
+        return deleted
 
     async def purge(self, scope: PurgeFilter) -> int:
         purge_id, deleted = await self._store.purge(scope)

@@ -3,8 +3,8 @@
 The exact key covers everything that can change the answer (model, every message, tools,
 tool_choice, response_format, sampling parameters, seed, vendor fields), serialized as JSON with
 sorted keys, plus tenant and namespace. Only fields that cannot change the answer are left out:
-how it is delivered (`stream`, `stream_options`), bookkeeping (`user`, `metadata`, `store`) and
-kvgate's own controls.
+how it is delivered (`stream`, `stream_options`), bookkeeping (`user`, `metadata`, `store`), the
+provider's cache routing hint (`prompt_cache_key`) and kvgate's own controls.
 
 The semantic partition is the same request with the last user turn's text blanked out and the
 sampling knobs dropped: two requests share a partition only when their system prompt, tools and
@@ -23,7 +23,8 @@ from gateway.canonical.canonical_json import canonical_json
 ExactKey = NewType("ExactKey", str)
 PartitionKey = NewType("PartitionKey", str)
 
-NOT_IN_KEY = frozenset({"stream", "stream_options", "user", "metadata", "store", "kvgate"})
+# `prompt_cache_key` steers where the provider computes an answer, not what it says.
+NOT_IN_KEY = frozenset({"stream", "stream_options", "user", "metadata", "store", "kvgate", "prompt_cache_key"})
 NOT_IN_PARTITION = NOT_IN_KEY | {"temperature", "top_p", "seed", "max_tokens", "max_completion_tokens"}
 _WORD = re.compile(r"\w+", re.UNICODE)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import ColumnElement, delete, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.persistence.models import ResponseCacheEntry, ResponseCachePurge
@@ -132,6 +132,26 @@ class EntryStore:
             result = await session.execute(delete(ResponseCacheEntry)
                                            .where(ResponseCacheEntry.expires_at <= datetime.now(UTC)))
             return int(result.rowcount or 0)
+
+    async def delete(self, *, ids: list[int], key: str | None = None) -> int:
+        """Delete entries by id and/or by exact key; returns how many rows went."""
+        clauses: list[ColumnElement[bool]] = []
+        if ids:
+            clauses.append(ResponseCacheEntry.id.in_(ids))
+        if key is not None:
+            clauses.append(ResponseCacheEntry.exact_key == key)
+        if not clauses:
+            return 0
+        async with self._sessions() as session, session.begin():
+            result = await session.execute(delete(ResponseCacheEntry).where(or_(*clauses)))
+            return int(result.rowcount or 0)
+
+    async def count_never_read(self) -> int:
+        """Live entries no request has been served from yet (hits are flushed every few seconds)."""
+        async with self._sessions() as session:
+            count = await session.scalar(select(func.count()).select_from(ResponseCacheEntry).where(
+                ResponseCacheEntry.expires_at > datetime.now(UTC), ResponseCacheEntry.hit_count == 0))
+            return int(count or 0)
 
     async def purge(self, scope: PurgeFilter) -> tuple[int, int]:
         """Delete matching entries and record the purge; returns (purge id, entries deleted)."""

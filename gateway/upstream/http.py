@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import aiohttp
 import orjson
 
+from gateway.canonical.prompt_cache import without_prompt_cache_fields
 from gateway.errors import UpstreamProtocolError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
 from gateway.settings import UpstreamSettings
 from gateway.upstream.backend import JSONObject, UpstreamJSON
@@ -123,9 +124,12 @@ class HttpBackend:
             raise UpstreamProtocolError(f"upstream {self.name!r} sent an unreadable model list") from exc
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
+    def _outgoing(self, body: JSONObject) -> bytes:
+        return orjson.dumps(body if self.config.prompt_cache_fields else without_prompt_cache_fields(body))
+
     async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
         with _mapped(self.name):
-            async with self.session.post(self._base + path, data=orjson.dumps(body),
+            async with self.session.post(self._base + path, data=self._outgoing(body),
                                          headers=self._salt_header(salt)) as response:
                 raw = await response.read()
         if response.status >= 400:
@@ -140,7 +144,7 @@ class HttpBackend:
 
     async def post_stream(self, path: str, body: JSONObject, *, salt: str = "") -> _HttpStream:
         with _mapped(self.name):
-            response = await self.session.post(self._base + path, data=orjson.dumps(body),
+            response = await self.session.post(self._base + path, data=self._outgoing(body),
                                                headers=self._salt_header(salt))
         if response.status >= 400:
             try:
