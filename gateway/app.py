@@ -19,7 +19,7 @@ from gateway.persistence.database import make_engine, make_sessionmaker, upgrade
 from gateway.persistence.keys import KeyStore, create_first_key
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.pipeline.embeddings import EmbeddingCache
-from gateway.pipeline.native import NativeMessages
+from gateway.pipeline.native import MESSAGES, RESPONSES, NativeRoute
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
 from gateway.services import Services
@@ -95,7 +95,8 @@ def create_app(settings: Settings) -> FastAPI:
             router=router,
             proxy=proxy,
             response_cache=response_cache,
-            native_messages=NativeMessages(router, request_log, response_cache, proxy.flights),
+            native_messages=NativeRoute(MESSAGES, router, request_log, response_cache, proxy.flights),
+            native_responses=NativeRoute(RESPONSES, router, request_log, response_cache, proxy.flights),
             embedding_cache=EmbeddingCache(response_cache, proxy) if response_cache is not None else None,
         )
         try:

@@ -9,7 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from gateway.persistence.keys import KeyStore
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.pipeline.embeddings import EmbeddingCache
-from gateway.pipeline.native import NativeMessages
+from gateway.pipeline.native import NativeRoute
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import ResponseCache
 from gateway.settings import Settings
@@ -26,5 +26,6 @@ class Services:
     router: Router
     proxy: Proxy
     response_cache: ResponseCache | None = None
-    native_messages: NativeMessages | None = None
+    native_messages: NativeRoute | None = None
+    native_responses: NativeRoute | None = None
     embedding_cache: EmbeddingCache | None = None

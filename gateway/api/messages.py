@@ -28,10 +28,11 @@ from gateway.services import Services
 router = APIRouter(prefix="/v1")
 
 
-async def speaks_anthropic(services: Services, model: str) -> bool:
-    """Whether the model's upstreams take Anthropic's API as is (all of them, or none is used so)."""
+async def speaks(services: Services, model: str, setting: str, value: object) -> bool:
+    """Whether every upstream of the model has `setting == value` (it takes the API as is);
+    when only some do, requests are translated, which every upstream understands."""
     backends = await services.router.serving(model)
-    return all(getattr(getattr(b, "config", None), "api", "openai") == "anthropic" for b in backends)
+    return all(getattr(getattr(b, "config", None), setting, None) == value for b in backends)
 
 
 def _stream_error(envelope: dict[str, Any]) -> bytes:
@@ -46,7 +47,7 @@ async def messages(request: Request, services: ServicesDep, principal: Principal
     anthropic.check_required(body)
     model, stream = body["model"], bool(body.get("stream"))
     session = request.headers.get("x-kvgate-session")
-    if services.native_messages is not None and await speaks_anthropic(services, model):
+    if services.native_messages is not None and await speaks(services, model, "api", "anthropic"):
         call = Call(request_id(request), principal, "messages", "/messages", model, body, stream=stream,
                     cache=controls, session=session)
         return await services.native_messages.forward(call)

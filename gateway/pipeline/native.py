@@ -1,18 +1,19 @@
-"""Anthropic's Messages API to an Anthropic-style upstream (`"api": "anthropic"`), unchanged.
+"""A request forwarded unchanged to an upstream that speaks its API: Anthropic's Messages API to
+an `"api": "anthropic"` upstream, OpenAI's Responses API to a `"responses_api": true` one.
 
-The client's body goes upstream byte for byte in meaning (`cache_control` breakpoints and their
+The client's body goes upstream unchanged in meaning (`cache_control` breakpoints and their
 `ttl`, `thinking`, beta fields), and the upstream's answer comes back as it was sent, with the
 cache steps of the chat path around it: exact (and semantic, where the request qualifies) lookup,
-single-flight, and a store of complete answers in Anthropic's own shape. Usage is the upstream's
-own (`cache_read_input_tokens`, `cache_creation_input_tokens`): kvgate estimates nothing here.
+single-flight, and a store of complete answers in the API's own shape. Usage is the upstream's
+own: kvgate estimates nothing here. What differs between the two APIs is a `Dialect`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import orjson
@@ -24,21 +25,51 @@ from gateway.pipeline.singleflight import Flight, SingleFlight
 from gateway.proxy import SSE_HEADERS, Call, RelayResponse
 from gateway.responsecache.cache import HIT_INFLIGHT, KINDS, Lookup, ResponseCache
 from gateway.responsecache.replay import kvgate_info
-from gateway.schemas.anthropic import (
-    MessageAssembler,
-    error_event,
-    is_complete_message,
-    message_events,
-    new_message_id,
+from gateway.schemas import anthropic, responses_api
+from gateway.schemas.usage import (
+    anthropic_hit_usage,
+    chat_usage_from_anthropic,
+    chat_usage_from_responses,
+    error_of,
+    responses_hit_usage,
 )
-from gateway.schemas.usage import anthropic_hit_usage, chat_usage_from_anthropic, error_of
 from gateway.upstream.backend import UpstreamStream
 from gateway.upstream.router import Router
 from gateway.upstream.sse import SSESplitter, event_data
 
-PATH = "/messages"
-# Keeps native entries apart from chat entries whose body happens to read the same.
-KEY_MARK = {"kvgate_api": "anthropic.messages"}
+
+class Assembler(Protocol):
+    """An upstream's SSE payloads in; the whole answer out once `done`."""
+
+    message: dict[str, Any] | None
+    done: bool
+    complete: bool
+
+    def feed(self, payload: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    path: str
+    # Keeps native entries apart from chat entries whose body happens to read the same.
+    key_mark: str
+    assembler: Callable[[], Assembler]
+    is_complete: Callable[[dict[str, Any]], bool]
+    chat_usage: Callable[[dict[str, Any] | None], dict[str, Any]]
+    hit_usage: Callable[[dict[str, Any] | None], dict[str, Any]]
+    new_id: Callable[[], str]
+    events: Callable[[dict[str, Any]], Iterable[bytes]]
+    error_event: Callable[[int, str], bytes]
+    error_types: frozenset[str]
+
+
+MESSAGES = Dialect("/messages", "anthropic.messages", anthropic.MessageAssembler, anthropic.is_complete_message,
+                   chat_usage_from_anthropic, anthropic_hit_usage, anthropic.new_message_id,
+                   anthropic.message_events, anthropic.error_event, frozenset({"error"}))
+RESPONSES = Dialect("/responses", "openai.responses", responses_api.ResponseAssembler,
+                    lambda answer: answer.get("status") == "completed", chat_usage_from_responses,
+                    responses_hit_usage, responses_api.new_response_id, responses_api.response_events,
+                    responses_api.error_event, frozenset({"error", "response.failed"}))
 
 
 @dataclass(slots=True)
@@ -50,14 +81,10 @@ class _Run:
     status: int = 200
 
 
-def replay_message(message: dict[str, Any], kind: str, similarity: float | None) -> dict[str, Any]:
-    return {**message, "id": new_message_id(), "usage": anthropic_hit_usage(message.get("usage")),
-            "kvgate": kvgate_info(kind, similarity)}
-
-
-class NativeMessages:
-    def __init__(self, router: Router, request_log: RequestLogWriter, cache: ResponseCache | None,
-                 flights: SingleFlight) -> None:
+class NativeRoute:
+    def __init__(self, dialect: Dialect, router: Router, request_log: RequestLogWriter,
+                 cache: ResponseCache | None, flights: SingleFlight) -> None:
+        self._dialect = dialect
         self._router = router
         self._log = request_log
         self._cache = cache
@@ -67,7 +94,8 @@ class NativeMessages:
         run = _Run(time.perf_counter())
         lookup: Lookup | None = None
         if self._cache is not None and call.cache is not None:
-            lookup = await self._cache.lookup(call.principal.tenant, {**KEY_MARK, **call.body}, call.cache)
+            keyed = {"kvgate_api": self._dialect.key_mark, **call.body}
+            lookup = await self._cache.lookup(call.principal.tenant, keyed, call.cache)
             if lookup.answer is not None:
                 return self._replay(call, run, lookup)
         flight: Flight | None = None
@@ -85,7 +113,7 @@ class NativeMessages:
         try:
             if call.stream:
                 return await self._stream(call, run, lookup, flight)
-            result, route = await self._router.call(call.model, lambda b: b.post_json(PATH, call.body))
+            result, route = await self._router.call(call.model, lambda b: b.post_json(self._dialect.path, call.body))
             self._router.release(route)
         except GatewayError as exc:
             run.error, run.status = exc, exc.status_code
@@ -106,9 +134,10 @@ class NativeMessages:
         return Response(result.raw, media_type="application/json", headers=headers)
 
     def _keep(self, lookup: Lookup | None, flight: Flight | None, message: dict[str, Any] | None) -> None:
+        """Store a complete answer; hand any finished one (a cut-off one too) to the followers."""
         stored = None
         if lookup is not None and self._cache is not None and message is not None:
-            stored = self._cache.store_later(lookup, message, complete=is_complete_message(message))
+            stored = self._cache.store_later(lookup, message, complete=self._dialect.is_complete(message))
         if flight is not None:
             if message is not None:
                 self._flights.resolve(flight, message, linger=stored)
@@ -118,12 +147,14 @@ class NativeMessages:
 
     def _replay(self, call: Call, run: _Run, lookup: Lookup) -> Response:
         assert lookup.answer is not None
-        message = replay_message(lookup.answer, KINDS.get(lookup.status, "exact"), lookup.similarity)
+        dialect = self._dialect
+        message = {**lookup.answer, "id": dialect.new_id(), "usage": dialect.hit_usage(lookup.answer.get("usage")),
+                   "kvgate": kvgate_info(KINDS.get(lookup.status, "exact"), lookup.similarity)}
         run.first_byte_s, run.usage = time.perf_counter(), message["usage"]
         self._record(call, run, None, lookup.status)
         headers = {**lookup.headers, "x-request-id": call.request_id}
         if call.stream:
-            events = list(message_events(message))
+            events = list(dialect.events(message))
 
             async def replay() -> AsyncIterator[bytes]:
                 for one in events:
@@ -133,8 +164,8 @@ class NativeMessages:
         return Response(orjson.dumps(message), media_type="application/json", headers=headers)
 
     async def _stream(self, call: Call, run: _Run, lookup: Lookup | None, flight: Flight | None) -> Response:
-        stream, route = await self._router.call(call.model, lambda b: b.post_stream(PATH, call.body))
-        assembler = MessageAssembler()
+        stream, route = await self._router.call(call.model, lambda b: b.post_stream(self._dialect.path, call.body))
+        assembler = self._dialect.assembler()
         finished = False
 
         async def finish() -> None:
@@ -145,17 +176,17 @@ class NativeMessages:
             try:
                 await stream.aclose()
             finally:
-                if run.error is None and not assembler.complete:
+                if run.error is None and not assembler.done:
                     run.status = 499
                 self._router.release(route, ok=True if run.status == 200 else (None if run.status == 499 else False))
                 run.usage = assembler.message.get("usage") if assembler.message else None
                 self._record(call, run, route.backend.name, lookup.status if lookup else None)
-                complete = assembler.complete and run.error is None
-                self._keep(lookup, flight, assembler.message if complete else None)
+                finished_ok = assembler.done and run.error is None
+                self._keep(lookup, flight, assembler.message if finished_ok else None)
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                async for out in _relay(stream, assembler, run):
+                async for out in _relay(stream, assembler, run, self._dialect):
                     yield out
             finally:
                 with anyio.CancelScope(shield=True):
@@ -166,7 +197,7 @@ class NativeMessages:
         return RelayResponse(events(), finish, media_type="text/event-stream", headers=headers)
 
     def _record(self, call: Call, run: _Run, upstream: str | None, cache: str | None) -> None:
-        usage = chat_usage_from_anthropic(run.usage) if run.usage else {}
+        usage = self._dialect.chat_usage(run.usage) if run.usage else {}
         error = run.error
         self._log.record(RequestRecord(
             request_id=call.request_id, tenant=call.principal.tenant, route=call.route, model=call.model,
@@ -180,7 +211,7 @@ class NativeMessages:
         ))
 
 
-async def _relay(stream: UpstreamStream, assembler: MessageAssembler, run: _Run) -> AsyncIterator[bytes]:
+async def _relay(stream: UpstreamStream, assembler: Assembler, run: _Run, dialect: Dialect) -> AsyncIterator[bytes]:
     """Pass the upstream's events on as they complete; tee each into the assembler."""
     splitter = SSESplitter()
     try:
@@ -197,8 +228,8 @@ async def _relay(stream: UpstreamStream, assembler: MessageAssembler, run: _Run)
                     if out:
                         yield b"".join(out)
                     raise UpstreamProtocolError("upstream sent an SSE event that is not JSON") from exc
-                if isinstance(payload, dict) and payload.get("type") == "error":
-                    error = error_of(payload)
+                if isinstance(payload, dict) and payload.get("type") in dialect.error_types:
+                    error = error_of(payload) or error_of(payload.get("response") or {}) or payload
                     run.error = UpstreamProtocolError(str(error.get("message") or "upstream error"))
                     run.status = run.error.status_code
                     out.append(one)
@@ -209,7 +240,7 @@ async def _relay(stream: UpstreamStream, assembler: MessageAssembler, run: _Run)
                 if run.first_byte_s is None:
                     run.first_byte_s = time.perf_counter()
                 out.append(one)
-                if assembler.complete:
+                if assembler.done:
                     yield b"".join(out)
                     return
             if out:
@@ -217,7 +248,7 @@ async def _relay(stream: UpstreamStream, assembler: MessageAssembler, run: _Run)
         raise UpstreamProtocolError("upstream closed the stream before it was complete")
     except GatewayError as exc:
         run.error, run.status = exc, exc.status_code
-        yield error_event(exc.status_code, exc.message)
+        yield dialect.error_event(exc.status_code, exc.message)
     finally:
         with anyio.CancelScope(shield=True):
             await stream.aclose()

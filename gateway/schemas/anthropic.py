@@ -368,6 +368,7 @@ class MessageAssembler:
 
     def __init__(self) -> None:
         self.message: dict[str, Any] | None = None
+        self.done = False
         self.complete = False
         self._json: dict[int, str] = {}
 
@@ -402,4 +403,4 @@ class MessageAssembler:
         elif kind == "message_stop":
             for index, text in self._json.items():
                 content[index]["input"] = _arguments(text)
-            self.complete = True
+            self.done = self.complete = True

@@ -291,3 +291,78 @@ class ChatToResponsesStream:
         error = error_of(envelope)
         return self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"),
                            error=error)
+
+
+# ---------------------------------------------------------------------------------------- native answers
+
+def event(kind: str, sequence: int, **fields: Any) -> bytes:
+    payload = {"type": kind, "sequence_number": sequence, **fields}
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def error_event(status: int, message: str) -> bytes:
+    error = {"type": "upstream_error" if status >= 500 else "invalid_request_error", "message": message,
+             "code": None, "param": None}
+    return event("error", 0, code=None, message=message, param=None, error=error)
+
+
+def response_events(response: dict[str, Any]) -> list[bytes]:
+    """A whole Responses object as the event stream that builds it (a cached answer replayed)."""
+    events: list[bytes] = []
+
+    def emit(kind: str, **fields: Any) -> None:
+        events.append(event(kind, len(events), **fields))
+
+    shell = {**response, "status": "in_progress", "output": [], "usage": None}
+    shell.pop("kvgate", None)
+    emit("response.created", response=shell)
+    emit("response.in_progress", response=shell)
+    for index, item in enumerate(response.get("output") or []):
+        kind = item.get("type")
+        if kind == "message":
+            emit("response.output_item.added", output_index=index,
+                 item={**item, "status": "in_progress", "content": []})
+            for part_index, part in enumerate(item.get("content") or []):
+                text = part.get("text", "")
+                emit("response.content_part.added", item_id=item.get("id"), output_index=index,
+                     content_index=part_index, part={**part, "text": ""})
+                emit("response.output_text.delta", item_id=item.get("id"), output_index=index,
+                     content_index=part_index, delta=text, logprobs=[])
+                emit("response.output_text.done", item_id=item.get("id"), output_index=index,
+                     content_index=part_index, text=text, logprobs=[])
+                emit("response.content_part.done", item_id=item.get("id"), output_index=index,
+                     content_index=part_index, part=part)
+        elif kind == "function_call":
+            emit("response.output_item.added", output_index=index,
+                 item={**item, "status": "in_progress", "arguments": ""})
+            emit("response.function_call_arguments.delta", item_id=item.get("id"), output_index=index,
+                 delta=item.get("arguments", ""))
+            emit("response.function_call_arguments.done", item_id=item.get("id"), output_index=index,
+                 arguments=item.get("arguments", ""), name=item.get("name"))
+        else:
+            emit("response.output_item.added", output_index=index, item=item)
+        emit("response.output_item.done", output_index=index, item=item)
+    final = "response.completed" if response.get("status") == "completed" else "response.incomplete"
+    emit(final, response=response)
+    return events
+
+
+class ResponseAssembler:
+    """Responses SSE payloads in (an upstream that speaks the API), the final object out."""
+
+    TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+    def __init__(self) -> None:
+        self.message: dict[str, Any] | None = None
+        self.done = False
+        self.complete = False
+
+    def feed(self, payload: dict[str, Any]) -> None:
+        if payload.get("type") in self.TERMINAL and isinstance(payload.get("response"), dict):
+            self.message = payload["response"]
+            self.done = True
+            self.complete = payload["type"] == "response.completed"
+
+
+def new_response_id() -> str:
+    return _id("resp")

@@ -62,6 +62,25 @@ def chat_usage_from_anthropic(usage: dict[str, Any] | None) -> dict[str, Any]:
             "cache_creation_input_tokens": creation}
 
 
+def chat_usage_from_responses(usage: dict[str, Any] | None) -> dict[str, Any]:
+    """A chat-completions usage (what the request log reads) from the Responses API's."""
+    usage = usage or {}
+    prompt, completion = _int(usage.get("input_tokens")), _int(usage.get("output_tokens"))
+    details = usage.get("input_tokens_details")
+    read = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": read}, "cache_read_input_tokens": read,
+            "cache_creation_input_tokens": max(0, prompt - read)}
+
+
+def responses_hit_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
+    """A cached Responses answer replayed: the same counts, every input token read from cache."""
+    usage = dict(usage or {})
+    details = dict(usage.get("input_tokens_details") or {})
+    details["cached_tokens"] = _int(usage.get("input_tokens"))
+    return {**usage, "input_tokens_details": details}
+
+
 def anthropic_hit_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
     """A cached Anthropic answer replayed: the same counts, every input token read from cache."""
     usage = usage or {}
