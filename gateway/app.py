@@ -28,6 +28,7 @@ from gateway.upstream.backend import Backend
 from gateway.upstream.http import HttpBackend
 from gateway.upstream.router import Router
 from gateway.usage.accounting import Accountant
+from gateway.usage.cache_writes import CacheWriteTracker
 
 if TYPE_CHECKING:
     from gateway.engine.service import Engine
@@ -83,6 +84,7 @@ def create_app(settings: Settings) -> FastAPI:
             if metrics is not None:
                 metrics.observe_prefix_break(reason, tenant=tenant, model=model)
 
+        cache_writes = CacheWriteTracker()
         proxy = Proxy(router, request_log, response_cache,
                       preparer=Preparer(settings.canonical, settings.routing, on_break=on_break),
                       accountant=Accountant(settings.usage.prices))
@@ -95,7 +97,9 @@ def create_app(settings: Settings) -> FastAPI:
             router=router,
             proxy=proxy,
             response_cache=response_cache,
-            native_messages=NativeRoute(MESSAGES, router, request_log, response_cache, proxy.flights),
+            native_messages=NativeRoute(MESSAGES, router, request_log, response_cache, proxy.flights,
+                                        on_usage=cache_writes.observe),
+            cache_writes=cache_writes,
             native_responses=NativeRoute(RESPONSES, router, request_log, response_cache, proxy.flights),
             embedding_cache=EmbeddingCache(response_cache, proxy) if response_cache is not None else None,
         )

@@ -14,6 +14,7 @@ from gateway.proxy import Proxy
 from gateway.responsecache.cache import ResponseCache
 from gateway.settings import Settings
 from gateway.upstream.router import Router
+from gateway.usage.cache_writes import CacheWriteTracker
 
 
 @dataclass(slots=True)
@@ -28,4 +29,6 @@ class Services:
     response_cache: ResponseCache | None = None
     native_messages: NativeRoute | None = None
     native_responses: NativeRoute | None = None
+    # Anthropic prompt-cache writes never read (GET /admin/provider-cache/writes).
+    cache_writes: CacheWriteTracker | None = None
     embedding_cache: EmbeddingCache | None = None

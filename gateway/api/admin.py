@@ -65,3 +65,12 @@ async def delete_by_id(entry_id: int, services: ServicesDep, principal: Principa
     if not deleted:
         raise NotFound(f"no cache entry {entry_id}")
     return json_response({"deleted": deleted, "id": entry_id})
+
+
+@router.get("/provider-cache/writes")
+async def provider_cache_writes(services: ServicesDep, principal: PrincipalDep) -> Response:
+    """Anthropic prompt-cache writes seen on native /v1/messages, and how many were never read."""
+    if not principal.is_admin:
+        raise PermissionDenied("this route needs the admin key")
+    tracker = services.cache_writes
+    return json_response(tracker.summary() if tracker is not None else {})

@@ -83,7 +83,10 @@ class _Run:
 
 class NativeRoute:
     def __init__(self, dialect: Dialect, router: Router, request_log: RequestLogWriter,
-                 cache: ResponseCache | None, flights: SingleFlight) -> None:
+                 cache: ResponseCache | None, flights: SingleFlight,
+                 on_usage: Callable[[str, dict[str, Any], dict[str, Any] | None], None] | None = None) -> None:
+        """`on_usage(tenant, body, usage)` sees the provider's usage of every upstream answer."""
+        self._on_usage = on_usage
         self._dialect = dialect
         self._router = router
         self._log = request_log
@@ -127,6 +130,8 @@ class NativeRoute:
             raise
         run.first_byte_s, run.usage = time.perf_counter(), result.body.get("usage")
         self._record(call, run, route.backend.name, lookup.status if lookup else None)
+        if self._on_usage is not None:
+            self._on_usage(call.principal.tenant, call.body, run.usage)
         headers = {"x-request-id": call.request_id, "x-kvgate-usage-source": "upstream"}
         self._keep(lookup, flight, result.body)
         if lookup is not None:
@@ -181,6 +186,8 @@ class NativeRoute:
                 self._router.release(route, ok=True if run.status == 200 else (None if run.status == 499 else False))
                 run.usage = assembler.message.get("usage") if assembler.message else None
                 self._record(call, run, route.backend.name, lookup.status if lookup else None)
+                if self._on_usage is not None and run.usage is not None:
+                    self._on_usage(call.principal.tenant, call.body, run.usage)
                 finished_ok = assembler.done and run.error is None
                 self._keep(lookup, flight, assembler.message if finished_ok else None)
 
