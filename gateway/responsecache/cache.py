@@ -28,7 +28,15 @@ from gateway.responsecache.embedder import Embedder
 from gateway.responsecache.exact import AnswerLRU, Directory
 from gateway.responsecache.feed import ChangeFeed
 from gateway.responsecache.index import SemanticIndex
-from gateway.responsecache.keys import ExactKey, PartitionKey, exact_key, is_trivial, last_user_text, partition_key
+from gateway.responsecache.keys import (
+    ExactKey,
+    PartitionKey,
+    exact_key,
+    is_trivial,
+    last_user_text,
+    partition_key,
+    public_key,
+)
 from gateway.responsecache.replay import hit_usage, is_complete, replay_json, replay_sse
 from gateway.responsecache.semantic import best_match
 from gateway.responsecache.settings import ResponseCacheSettings
@@ -68,7 +76,7 @@ class Lookup:
     def headers(self) -> dict[str, str]:
         """What happened, and the names of the entry: its id when one was served, its key always
         (a miss's answer is stored under that key; DELETE it through the admin API by either)."""
-        headers = {"x-kvgate-cache": self.status, "x-kvgate-cache-key": self.key}
+        headers = {"x-kvgate-cache": self.status, "x-kvgate-cache-key": public_key(self.key)}
         if self.entry_id is not None:
             headers["x-kvgate-cache-id"] = str(self.entry_id)
         if self.similarity is not None:
@@ -263,13 +271,13 @@ class ResponseCache:
         return await self._store.count_never_read()
 
     async def delete(self, *, entry_id: int | None = None, key: str | None = None) -> int:
-        """Delete one entry by id, or every entry of an exact key, here and in SQL. Other replicas
-        drop it from memory when they next fail to load it (an answer they hold in their LRU may
-        be served until it is evicted or purged)."""
+        """Delete one entry by id, or every live entry of a key (its public name, `public_key`),
+        here and in SQL. Other replicas drop it from memory when they next fail to load it (an
+        answer they hold in their LRU may be served until it is evicted or purged)."""
         ids = [entry_id] if entry_id is not None else \
-            [m.id for m in self._directory.by_id.values() if m.exact_key == key]
-        deleted = await self._store.delete(ids=ids, key=key)
-        self._remove([i for i in ids if i is not None])
+            [m.id for m in self._directory.by_id.values() if public_key(m.exact_key) == key]
+        deleted = await self._store.delete(ids=ids)
+        self._remove(ids)
         return deleted
 
     async def purge(self, scope: PurgeFilter) -> int:

@@ -39,6 +39,12 @@ def exact_key(tenant: str, namespace: str, body: dict[str, Any]) -> ExactKey:
     return ExactKey(_digest("exact/v1", tenant, namespace, canonical))
 
 
+def public_key(key: ExactKey) -> str:
+    """The name an entry's key goes by outside the gateway (`x-kvgate-cache-key`, admin deletes):
+    a digest of the key, so the key itself never leaves."""
+    return hashlib.sha256(b"kvgate-public-key:" + key.encode()).hexdigest()[:40]
+
+
 def last_user_text(body: dict[str, Any]) -> str | None:
     """The text of the final message when it is a user turn made only of text, else None: a
     request that ends in a tool result or carries an image is not a question to match by meaning."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
-from sqlalchemy import ColumnElement, delete, func, insert, or_, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.persistence.models import ResponseCacheEntry, ResponseCachePurge
@@ -133,17 +133,12 @@ class EntryStore:
                                            .where(ResponseCacheEntry.expires_at <= datetime.now(UTC)))
             return int(result.rowcount or 0)
 
-    async def delete(self, *, ids: list[int], key: str | None = None) -> int:
-        """Delete entries by id and/or by exact key; returns how many rows went."""
-        clauses: list[ColumnElement[bool]] = []
-        if ids:
-            clauses.append(ResponseCacheEntry.id.in_(ids))
-        if key is not None:
-            clauses.append(ResponseCacheEntry.exact_key == key)
-        if not clauses:
+    async def delete(self, *, ids: list[int]) -> int:
+        """Delete entries by id; returns how many rows went."""
+        if not ids:
             return 0
         async with self._sessions() as session, session.begin():
-            result = await session.execute(delete(ResponseCacheEntry).where(or_(*clauses)))
+            result = await session.execute(delete(ResponseCacheEntry).where(ResponseCacheEntry.id.in_(ids)))
             return int(result.rowcount or 0)
 
     async def count_never_read(self) -> int:
