@@ -101,7 +101,7 @@ def create_app(settings: Settings) -> FastAPI:
                                         on_usage=cache_writes.observe),
             cache_writes=cache_writes,
             native_responses=NativeRoute(RESPONSES, router, request_log, response_cache, proxy.flights),
-            embedding_cache=EmbeddingCache(response_cache, proxy) if response_cache is not None else None,
+            embedding_cache=EmbeddingCache(response_cache, proxy, request_log) if response_cache is not None else None,
         )
         try:
             yield

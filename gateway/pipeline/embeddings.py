@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from gateway.persistence.request_log import RequestLogWriter, RequestRecord
 from gateway.proxy import Call, Proxy
 from gateway.responsecache.cache import HIT_EXACT, MISS, Lookup, ResponseCache
 from gateway.upstream.backend import JSONObject
@@ -33,12 +34,14 @@ def split_inputs(value: Any) -> list[Any]:
 
 
 class EmbeddingCache:
-    def __init__(self, cache: ResponseCache, proxy: Proxy) -> None:
+    def __init__(self, cache: ResponseCache, proxy: Proxy, request_log: RequestLogWriter) -> None:
         self._cache = cache
         self._proxy = proxy
+        self._log = request_log
 
     async def forward(self, call: Call) -> Response:
         assert call.cache is not None
+        started = time.perf_counter()
         inputs = split_inputs(call.body.get("input"))
         shared = {k: call.body[k] for k in KEYED if k in call.body}
         lookups: list[Lookup] = await asyncio.gather(*(
@@ -73,6 +76,11 @@ class EmbeddingCache:
         if not call.cache.read:
             status = lookups[0].status if lookups else MISS
         headers["x-kvgate-cache"] = status
+        if not missing:
+            # Nothing went upstream, so the proxy logged nothing: the hit is logged here.
+            self._log.record(RequestRecord(request_id=call.request_id, tenant=call.principal.tenant, route=call.route,
+                                           model=call.model, status=200,
+                                           total_ms=(time.perf_counter() - started) * 1000, cache=status))
         body = {"object": "list", "model": model, "usage": usage,
                 "data": [{"object": "embedding", "index": i, "embedding": vectors[i]} for i in range(len(inputs))],
                 "kvgate": {"cached_inputs": cached, "inputs": len(inputs)}}
