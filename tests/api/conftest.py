@@ -12,7 +12,7 @@ import pytest
 
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.settings import UpstreamSettings
-from tests.conftest import Gateway, start_gateway
+from tests.conftest import Gateway, fresh_postgres_database, start_gateway
 from tests.fake_anthropic import create_fake_anthropic
 from tests.servers import serve_in_thread
 
@@ -25,9 +25,17 @@ def fake_anthropic() -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('api') / 'kvgate.db'}"
+    else:
+        with fresh_postgres_database() as url:
+            yield url
+
+
 @pytest.fixture(scope="module")
-def gw(fake_upstream: str, fake_anthropic: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    database_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('api') / 'kvgate.db'}"
+def gw(fake_upstream: str, fake_anthropic: str, database_url: str) -> Iterator[Gateway]:
     os.environ["KVGATE_TEST_ANTHROPIC_KEY"] = "sk-ant-upstream-secret"
     upstreams = [
         UpstreamSettings(name="fake", base_url=fake_upstream + "/v1", api_key_env="KVGATE_TEST_UPSTREAM_KEY",

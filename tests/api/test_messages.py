@@ -133,6 +133,7 @@ def test_tenants_do_not_share_answers(gw: Gateway, fake_upstream: str, fake_anth
 
 
 def test_native_upstream_gets_the_body_unchanged(gw: Gateway, fake_anthropic: str) -> None:
+    httpx.post(fake_anthropic + "/control/reset")  # the provider's cache starts empty (each database run)
     system = [{"type": "text", "text": "A long shared preamble " * 20,
                "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
     messages = [{"role": "user", "content": [{"type": "text", "text": "first question here"}]}]

@@ -34,7 +34,8 @@ def test_writes_read_and_never_read() -> None:
                                  "write_tokens_never_read": 90, "writes_pending": 0}
 
 
-def test_admin_route_counts_native_writes(gw: Gateway) -> None:
+def test_admin_route_counts_native_writes(gw: Gateway, fake_anthropic: str) -> None:
+    httpx.post(fake_anthropic + "/control/reset")  # the provider's cache starts empty (each database run)
     client = anthropic.Anthropic(base_url=gw.base_url, api_key=gw.api_key, max_retries=0)
     system = [{"type": "text", "text": "a preamble only this test sends " * 5, "cache_control": {"type": "ephemeral"}}]
 
