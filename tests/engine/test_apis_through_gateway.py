@@ -84,3 +84,17 @@ def test_responses_json_stream_hit(engine_gateway: Gateway) -> None:
     assert raw.headers["x-kvgate-cache"] == "hit-exact"
     assert again.output_text == text
     assert again.usage.input_tokens_details.cached_tokens == again.usage.input_tokens == streamed.usage.input_tokens
+    other = openai.OpenAI(base_url=engine_gateway.v1, max_retries=0,
+                          api_key=new_key(engine_gateway.database_url, "team-engine-c"))
+    theirs = other.responses.with_raw_response.create(**request)
+    assert theirs.headers["x-kvgate-cache"] == "miss" and theirs.parse().output_text == text
+
+
+def test_tools_on_the_engine_are_a_clear_anthropic_error(engine_gateway: Gateway) -> None:
+    client = anthropic.Anthropic(base_url=engine_gateway.base_url, api_key=engine_gateway.api_key, max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=MODEL, max_tokens=8, tools=tools, messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["type"] == "error"
+    assert info.value.body["error"] == {"type": "invalid_request_error",
+                                        "message": "the built-in engine's model does not support tools"}
