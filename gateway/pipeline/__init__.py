@@ -1,1 +1,1 @@
-"""The path of one request as domain steps (ARCHITECTURE.md): single-flight, native passthroughs."""
+"""The path of one request as domain steps (see ARCHITECTURE.md)."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from gateway.errors import GatewayError
 
-Answer = dict[str, Any]
+Answer = dict[str, Any] | None  # None: the leader gave up its flight; each follower goes on its own
 
 
 @dataclass(slots=True)
@@ -71,6 +71,15 @@ class SingleFlight:
             self._forget(flight)
         else:
             linger.add_done_callback(lambda _: self._forget(flight))
+
+    def abandon(self, flight: Flight) -> None:
+        """The leader became another request (compaction rewrote it): followers go upstream on
+        their own rather than wait for an answer to a question they did not ask."""
+        if flight.done:
+            return
+        flight.done = True
+        flight.future.set_result(None)
+        self._forget(flight)
 
     def fail(self, flight: Flight, error: GatewayError) -> None:
         if flight.done:

@@ -104,10 +104,6 @@ class Router:
     async def serving(self, model_id: str) -> list[Backend]:
         """The backends that serve `model_id` (ModelNotFound when none does)."""
         return list(await self._candidates(model_id))
-
-    def serves_alone(self, model_id: str) -> bool:
-        return len(self._serving.get(model_id, ())) <= 1
-
     # ------------------------------------------------------------------ choice
 
     def order(self, serving: list[Backend], blocks: Sequence[PrefixBlock]) -> list[tuple[Backend, int]]:
