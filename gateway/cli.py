@@ -26,6 +26,7 @@ BENCHMARKS = {
     "prefix-stability": "bench.prefix_stability",
     "routing": "bench.routing",
     "cache-latency": "bench.cache_latency",
+    "singleflight": "bench.singleflight",
     "agent-session": "bench.agent_session",
     "reliability": "bench.reliability",
     "cascade": "bench.cascade",

@@ -8,7 +8,7 @@ The CLI flags of `kvgate serve` override the same fields.
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -43,6 +43,12 @@ class UpstreamSettings(BaseModel):
     inject_stream_usage: bool = True
     # A kvgate engine (`kvgate engine`): send it the tenant's KV salt so tenants keep separate blocks.
     send_cache_salt: bool = False
+    # "anthropic": an Anthropic-style API (x-api-key auth); /v1/messages is forwarded to it unchanged.
+    api: Literal["openai", "anthropic"] = "openai"
+    # Speaks OpenAI's /v1/responses itself: Responses requests are forwarded, not translated.
+    responses_api: bool = False
+    # Forward prompt_cache_key and cache_salt; false for upstreams that reject fields they do not know.
+    prompt_cache_fields: bool = True
 
     @field_validator("base_url")
     @classmethod
@@ -87,6 +93,8 @@ class Settings(BaseSettings):
     log_prompts: bool = False
     request_log_batch: int = Field(default=256, gt=0)
     key_cache_ttl_s: float = 30.0
+    # Give requests with x-kvgate-session and no prompt_cache_key one derived from tenant and session.
+    derive_prompt_cache_key: bool = False
     canonical: CanonicalSettings = Field(default_factory=CanonicalSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     usage: UsageSettings = Field(default_factory=UsageSettings)

@@ -45,7 +45,8 @@ PriceFor = Callable[[str | None], Price | None]  # None: the model is not priced
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_KINDS = ("prompt", "cached", "cache_creation", "completion")
-HIT_KINDS = {"hit-exact": "exact", "hit-semantic": "semantic"}
+# hit-inflight: answered from an identical request's upstream call (single-flight); it saved a call too.
+HIT_KINDS = {"hit-exact": "exact", "hit-semantic": "semantic", "hit-inflight": "inflight"}
 
 
 def multiprocess_dir() -> str | None:

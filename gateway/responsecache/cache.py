@@ -35,7 +35,15 @@ from gateway.responsecache.embedder import Embedder
 from gateway.responsecache.exact import AnswerLRU, Directory
 from gateway.responsecache.feed import ChangeFeed
 from gateway.responsecache.index import SemanticIndex
-from gateway.responsecache.keys import ExactKey, PartitionKey, exact_key, is_trivial, last_user_text, partition_key
+from gateway.responsecache.keys import (
+    ExactKey,
+    PartitionKey,
+    exact_key,
+    is_trivial,
+    last_user_text,
+    partition_key,
+    public_key,
+)
 from gateway.responsecache.replay import hit_usage, is_complete, replay_json, replay_sse
 from gateway.responsecache.semantic import best_match
 from gateway.responsecache.settings import ResponseCacheSettings
@@ -45,9 +53,16 @@ from gateway.responsecache.verifier import Verifier
 
 log = logging.getLogger(__name__)
 HIT_EXACT, HIT_SEMANTIC, MISS, BYPASS = "hit-exact", "hit-semantic", "miss", "bypass"
+# Answered from an identical request's upstream call that was in flight (single-flight).
+HIT_INFLIGHT = "hit-inflight"
+KINDS = {HIT_EXACT: "exact", HIT_SEMANTIC: "semantic", HIT_INFLIGHT: "inflight"}
 PROGRESS_MIN_ENTRIES = 10_000
 SWEEP_INTERVAL_S = 30.0
 STORE_BATCH = 128
+
+
+# An answer waiting for the writer: its lookup, the answer, its bytes, done once written or dropped.
+_Queued = tuple["Lookup", dict[str, Any], bytes, asyncio.Future[None]]
 
 
 @dataclass(slots=True)
@@ -72,7 +87,11 @@ class Lookup:
 
     @property
     def headers(self) -> dict[str, str]:
-        headers = {"x-kvgate-cache": self.status}
+        """What happened, and the names of the entry: its id when one was served, its key always
+        (a miss's answer is stored under that key; DELETE it through the admin API by either)."""
+        headers = {"x-kvgate-cache": self.status, "x-kvgate-cache-key": public_key(self.key)}
+        if self.entry_id is not None:
+            headers["x-kvgate-cache-id"] = str(self.entry_id)
         if self.similarity is not None:
             headers["x-kvgate-similarity"] = f"{self.similarity:.4f}"
         return headers
@@ -89,7 +108,7 @@ class ResponseCache:
         self._answers = AnswerLRU(settings.memory_entries)
         self._index = SemanticIndex()
         self._hits: Counter[int] = Counter()
-        self._store_queue: asyncio.Queue[tuple[Lookup, dict[str, Any], bytes]] = asyncio.Queue(settings.max_store_queue)
+        self._store_queue: asyncio.Queue[_Queued] = asyncio.Queue(settings.max_store_queue)
         self._writer: asyncio.Task[None] | None = None
         self._writing = False
         self.num_stored = 0
@@ -242,7 +261,7 @@ class ResponseCache:
 
     def replay(self, lookup: Lookup, *, stream: bool, include_usage: bool, request_id: str) -> Response:
         assert lookup.answer is not None
-        kind = "exact" if lookup.status == HIT_EXACT else "semantic"
+        kind = KINDS.get(lookup.status, "exact")
         headers = {**lookup.headers, "x-request-id": request_id}
         if stream:
             events = replay_sse(lookup.answer, kind, lookup.similarity, include_usage=include_usage)
@@ -251,27 +270,37 @@ class ResponseCache:
         body = orjson.dumps(replay_json(lookup.answer, kind, lookup.similarity))
         return Response(body, media_type="application/json", headers=headers)
 
-    def store_later(self, lookup: Lookup, completion: dict[str, Any] | None) -> None:
-        """Queue a complete, valid answer for the writer; anything else is dropped. Never blocks."""
+    def store_later(self, lookup: Lookup, completion: dict[str, Any] | None,
+                    complete: bool | None = None) -> asyncio.Future[None] | None:
+        """Queue a complete, valid answer for the writer; anything else is dropped. Never blocks.
+        `complete` overrides the chat-completion checks for answers of another shape (Anthropic
+        messages, embeddings). Returns a future done once the answer is written (or dropped), for
+        whoever must wait until it is readable."""
         if lookup.answer is not None or not lookup.controls.write or completion is None:
-            return
-        if not is_complete(completion):
-            return
-        if not is_storable(completion):
-            self.num_store_rejected += 1
-            log.warning("response cache: an upstream answer failed the wire schema; not stored")
-            return
+            return None
+        if complete is None:
+            if not is_complete(completion):
+                return None
+            if not is_storable(completion):
+                self.num_store_rejected += 1
+                log.warning("response cache: an upstream answer failed the wire schema; not stored")
+                return None
+        elif not complete:
+            return None
         raw = orjson.dumps(completion)
         if len(raw) > self.settings.max_answer_bytes:
-            return
+            return None
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         try:
-            self._store_queue.put_nowait((lookup, completion, raw))
+            self._store_queue.put_nowait((lookup, completion, raw, written))
         except asyncio.QueueFull:
             self.num_store_dropped += 1
-            return
+            written.set_result(None)
+            return written
         self._storing[lookup.key] = (completion, time.time() + self._ttl_s(lookup), lookup)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_forever(), name="response-cache-writer")
+        return written
 
     async def _drain_stores(self) -> None:
         """Wait until every queued answer has been written (tests, shutdown)."""
@@ -292,18 +321,20 @@ class ResponseCache:
                 log.error("response cache: storing %d answers failed (%s)", len(batch), describe_db_error(exc))
             finally:
                 self._writing = False
-                for lookup, completion, _ in batch:
+                for lookup, completion, _, written in batch:
                     if self._storing.get(lookup.key, (None,))[0] is completion:
                         del self._storing[lookup.key]
+                    if not written.done():
+                        written.set_result(None)
 
-    async def _write_batch(self, batch: list[tuple[Lookup, dict[str, Any], bytes]]) -> None:
-        need = [lk for lk, _, _ in batch if lk.partition is not None and lk.vector is None]
+    async def _write_batch(self, batch: list[_Queued]) -> None:
+        need = [lk for lk, _, _, _ in batch if lk.partition is not None and lk.vector is None]
         if need and self._embedder is not None:
             vectors = await asyncio.gather(*(self._embedder.embed(lk.query or "") for lk in need))
             for lk, vector in zip(need, vectors, strict=True):
                 lk.vector = vector
         rows: list[tuple[EntryMeta, bytes, dict[str, Any]]] = []
-        for lookup, completion, raw in batch:
+        for lookup, completion, raw, _ in batch:
             ttl_s = self._ttl_s(lookup)
             semantic = lookup.partition is not None and lookup.vector is not None
             meta = EntryMeta(0, lookup.tenant, lookup.controls.namespace, lookup.model, lookup.key,
@@ -338,6 +369,21 @@ class ResponseCache:
 
     def _ttl_s(self, lookup: Lookup) -> float:
         return min(lookup.controls.ttl_s or self.settings.default_ttl_s, self.settings.max_ttl_s)
+
+    async def count_never_read(self) -> int:
+        """Live entries stored and never served: writes that bought nothing (yet)."""
+        await self._flush_hits()
+        return await self._store.count_never_read()
+
+    async def delete(self, *, entry_id: int | None = None, key: str | None = None) -> int:
+        """Delete one entry by id, or every live entry of a key (its public name, `public_key`),
+        here and in SQL. Other replicas drop it from memory when they next fail to load it (an
+        answer they hold in their LRU may be served until it is evicted or purged)."""
+        ids = [entry_id] if entry_id is not None else \
+            [m.id for m in self._directory.by_id.values() if public_key(m.exact_key) == key]
+        deleted = await self._store.delete(ids=ids)
+        self._remove(ids)
+        return deleted
 
     async def purge(self, scope: PurgeFilter) -> int:
         purge_id, deleted = await self._store.purge(scope)
