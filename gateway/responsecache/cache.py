@@ -27,11 +27,11 @@ from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.embedder import Embedder
 from gateway.responsecache.exact import AnswerLRU, Directory
 from gateway.responsecache.feed import ChangeFeed
-from gateway.responsecache.index import SemanticIndex
+from gateway.responsecache.index import Candidate, SemanticIndex
 from gateway.responsecache.keys import ExactKey, PartitionKey, exact_key, is_trivial, last_user_text, partition_key
 from gateway.responsecache.language import language_of
 from gateway.responsecache.replay import hit_usage, is_complete, replay_json, replay_sse
-from gateway.responsecache.semantic import Match, best_match, differing_parts
+from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter
 from gateway.responsecache.verifier import Verifier
@@ -224,23 +224,37 @@ class ResponseCache:
             return
         lookup.vector = await self._embedder.embed(lookup.query)
         match = best_match(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
-        if match is not None and not await self._differing_parts_agree(lookup.query, match):
-            match = None
+        if match is not None and match.meta.query is not None and differing_parts(lookup.query, match.meta.query):
+            match = None  # a long shared context: judged below by what differs, not by the whole turn
+        if match is None:
+            match = await self._match_by_differing_parts(lookup.partition, lookup.vector, lookup.query, now)
         if match is not None and await self._load(lookup, match.meta.id):
             lookup.status = HIT_SEMANTIC
             lookup.similarity = match.similarity
 
-    async def _differing_parts_agree(self, query: str, match: Match) -> bool:
-        """For turns that share a long context, the sentences that differ must be the same
-        question on their own (see `semantic.differing_parts`)."""
-        assert match.meta.query is not None and self._embedder is not None and self._verifier is not None
-        parts = differing_parts(query, match.meta.query)
-        if parts is None:
-            return True
-        if not parts[0] or not parts[1]:
-            return False
-        u, v = await asyncio.gather(self._embedder.embed(parts[0]), self._embedder.embed(parts[1]))
-        return self._verifier.verify(u, v, parts[0], parts[1]).accepted
+    async def _match_by_differing_parts(self, partition: PartitionKey, vector: np.ndarray, query: str,
+                                        now: float) -> Match | None:
+        """Neighbours that share a long context with `query` (see `semantic.differing_parts`) embed
+        alike whatever their question, and crowd each other: the whole-turn verdict says nothing
+        about them. Each is judged instead on the sentences that differ, as a question of its own."""
+        assert self._embedder is not None and self._verifier is not None
+        judged: list[tuple[Candidate, tuple[str, str]]] = []
+        for candidate in self._index.search(partition, vector, NUM_CANDIDATES):
+            meta = candidate.meta
+            if meta.expires_at <= now or meta.query is None:
+                continue
+            parts = differing_parts(query, meta.query)
+            if parts is not None and parts[0] and parts[1]:
+                judged.append((candidate, parts))
+        if not judged:
+            return None
+        vectors = await asyncio.gather(*(self._embedder.embed(text) for _, parts in judged for text in parts))
+        best: Match | None = None
+        for i, (candidate, (mine, theirs)) in enumerate(judged):
+            verdict = self._verifier.verify(vectors[2 * i], vectors[2 * i + 1], mine, theirs)
+            if verdict.accepted and (best is None or verdict.probability > best.probability):
+                best = Match(candidate.meta, candidate.similarity, verdict.probability)
+        return best
 
     async def _load(self, lookup: Lookup, entry_id: int) -> bool:
         answer = self._answers.get(entry_id)
