@@ -63,9 +63,8 @@ async def build_embedding_backend() -> Backend:
     from gateway.engine.embeddings import EmbeddingBackend
     from gateway.responsecache.embedder import Embedder, load_model
 
-    model = await asyncio.to_thread(load_model)
-    # threads=0: leave torch's thread count to the engine and the response cache, which set it.
-    return EmbeddingBackend(model, Embedder(model, threads=0))
+    model = await asyncio.to_thread(load_model)  # the process's one copy (its threads are fixed at first load)
+    return EmbeddingBackend(model, Embedder(model))
 
 
 def first_start_banner(keys: FirstKeys, settings: Settings, model_ids: list[str]) -> str:

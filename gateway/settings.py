@@ -25,7 +25,7 @@ from gateway.usage.settings import Price, UsageSettings
 
 # The model id of the embedded default's `/v1/embeddings` (gateway/engine/embeddings.py imports it
 # from here: that module imports torch, this one must not).
-LOCAL_EMBEDDING_MODEL_ID = "all-minilm-l6-v2"
+LOCAL_EMBEDDING_MODEL_ID = "multilingual-e5-small"
 
 
 class UpstreamSettings(BaseModel):

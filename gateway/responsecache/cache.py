@@ -34,7 +34,7 @@ from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.embedder import Embedder
 from gateway.responsecache.exact import AnswerLRU, Directory
 from gateway.responsecache.feed import ChangeFeed
-from gateway.responsecache.index import SemanticIndex
+from gateway.responsecache.index import Candidate, SemanticIndex
 from gateway.responsecache.keys import (
     ExactKey,
     PartitionKey,
@@ -44,8 +44,9 @@ from gateway.responsecache.keys import (
     partition_key,
     public_key,
 )
+from gateway.responsecache.language import language_of
 from gateway.responsecache.replay import hit_usage, is_complete, replay_json, replay_sse
-from gateway.responsecache.semantic import best_match
+from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter
 from gateway.responsecache.validate import is_storable
@@ -56,6 +57,9 @@ HIT_EXACT, HIT_SEMANTIC, MISS, BYPASS = "hit-exact", "hit-semantic", "miss", "by
 # Answered from an identical request's upstream call that was in flight (single-flight).
 HIT_INFLIGHT = "hit-inflight"
 KINDS = {HIT_EXACT: "exact", HIT_SEMANTIC: "semantic", HIT_INFLIGHT: "inflight"}
+# Why a request that could have had a semantic lookup got the exact cache only (response header
+# `x-kvgate-semantic-skipped`); requests that opt out themselves (`x-kvgate-semantic: off`) get none.
+SKIP_SAMPLING, SKIP_TRIVIAL, SKIP_TOO_LONG, SKIP_LANGUAGE = "sampling", "trivial", "too-long", "language-not-validated"
 PROGRESS_MIN_ENTRIES = 10_000
 SWEEP_INTERVAL_S = 30.0
 STORE_BATCH = 128
@@ -80,6 +84,7 @@ class Lookup:
     answer: dict[str, Any] | None = None
     entry_id: int | None = None
     similarity: float | None = None
+    semantic_skipped: str | None = None
 
     @property
     def hit_usage(self) -> dict[str, Any] | None:
@@ -94,6 +99,8 @@ class Lookup:
             headers["x-kvgate-cache-id"] = str(self.entry_id)
         if self.similarity is not None:
             headers["x-kvgate-similarity"] = f"{self.similarity:.4f}"
+        if self.semantic_skipped is not None:
+            headers["x-kvgate-semantic-skipped"] = self.semantic_skipped
         return headers
 
 
@@ -161,7 +168,8 @@ class ResponseCache:
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
                 "stored": self.num_stored, "store_queue": self._store_queue.qsize(),
                 "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
-                "verifier_threshold": self._verifier.threshold if self._verifier else None}
+                "verifier_thresholds": {str(k): v for k, v in self._verifier.thresholds.items()} if self._verifier
+                else None}
 
     def _add(self, metas: list[EntryMeta]) -> None:
         now = time.time()
@@ -199,18 +207,33 @@ class ResponseCache:
             await self._store.add_hits(hits)
 
     def semantic_allowed(self, tenant: str, body: dict[str, Any]) -> bool:
-        """Requests that sample (temperature > 0) want a fresh answer, not a neighbour's."""
+        """Requests that ask to sample (temperature > 0) want a fresh answer, not a neighbour's. A
+        request that sets no temperature (the openai SDK's default) counts as
+        `default_temperature`, 0 unless configured: it asked for no variety."""
         temperature = body.get("temperature")
-        if not isinstance(temperature, int | float):
+        if not isinstance(temperature, int | float) or isinstance(temperature, bool):
             temperature = self.settings.default_temperature
         return temperature <= 0 or tenant in self.settings.temperature_tenants
+
+    def semantic_skip(self, tenant: str, body: dict[str, Any], text: str) -> str | None:
+        """Why the last turn `text` gets no semantic lookup, or None when it does."""
+        if not self.semantic_allowed(tenant, body):
+            return SKIP_SAMPLING
+        if is_trivial(text, self.settings.min_query_words):
+            return SKIP_TRIVIAL
+        if len(text) > self.settings.max_query_chars:
+            return SKIP_TOO_LONG
+        if language_of(text) is None or (self._verifier is not None and not self._verifier.supports(text)):
+            return SKIP_LANGUAGE
+        return None
 
     async def lookup(self, tenant: str, body: dict[str, Any], controls: CacheControls) -> Lookup:
         model = str(body.get("model", ""))
         lookup = Lookup(BYPASS, tenant, model, controls, exact_key(tenant, controls.namespace, body))
-        if self.semantic_enabled and controls.semantic and self.semantic_allowed(tenant, body):
-            text = last_user_text(body)
-            if text is not None and not is_trivial(text, self.settings.min_query_words):
+        text = last_user_text(body)
+        if self.semantic_enabled and controls.semantic and text is not None:
+            lookup.semantic_skipped = self.semantic_skip(tenant, body, text)
+            if lookup.semantic_skipped is None:
                 lookup.query = text
                 lookup.partition = partition_key(tenant, controls.namespace, body)
         if not controls.read:
@@ -238,9 +261,37 @@ class ResponseCache:
             return
         lookup.vector = await self._embedder.embed(lookup.query)
         match = best_match(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
+        if match is not None and match.meta.query is not None and differing_parts(lookup.query, match.meta.query):
+            match = None  # a long shared context: judged below by what differs, not by the whole turn
+        if match is None:
+            match = await self._match_by_differing_parts(lookup.partition, lookup.vector, lookup.query, now)
         if match is not None and await self._load(lookup, match.meta.id):
             lookup.status = HIT_SEMANTIC
             lookup.similarity = match.similarity
+
+    async def _match_by_differing_parts(self, partition: PartitionKey, vector: np.ndarray, query: str,
+                                        now: float) -> Match | None:
+        """Neighbours that share a long context with `query` (see `semantic.differing_parts`) embed
+        alike whatever their question, and crowd each other: the whole-turn verdict says nothing
+        about them. Each is judged instead on the sentences that differ, as a question of its own."""
+        assert self._embedder is not None and self._verifier is not None
+        judged: list[tuple[Candidate, tuple[str, str]]] = []
+        for candidate in self._index.search(partition, vector, NUM_CANDIDATES):
+            meta = candidate.meta
+            if meta.expires_at <= now or meta.query is None:
+                continue
+            parts = differing_parts(query, meta.query)
+            if parts is not None and parts[0] and parts[1]:
+                judged.append((candidate, parts))
+        if not judged:
+            return None
+        vectors = await asyncio.gather(*(self._embedder.embed(text) for _, parts in judged for text in parts))
+        best: Match | None = None
+        for i, (candidate, (mine, theirs)) in enumerate(judged):
+            verdict = self._verifier.verify(vectors[2 * i], vectors[2 * i + 1], mine, theirs)
+            if verdict.accepted and (best is None or verdict.probability > best.probability):
+                best = Match(candidate.meta, candidate.similarity, verdict.probability)
+        return best
 
     async def _load(self, lookup: Lookup, entry_id: int) -> bool:
         answer = self._answers.get(entry_id)
@@ -408,7 +459,7 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
     if settings.semantic:
         from gateway.responsecache.embedder import load_model
 
-        embedder = Embedder(await asyncio.to_thread(load_model), settings.embed_threads)
+        embedder = Embedder(await asyncio.to_thread(load_model, settings.embed_threads))
         verifier = Verifier.load(settings.target_false_hit_rate)
     cache = ResponseCache(settings, EntryStore(sessions), embedder, verifier)
     await cache.start()

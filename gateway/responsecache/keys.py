@@ -16,17 +16,16 @@ Keys are SHA-256 hex digests; they never leave the gateway.
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import Any, NewType
 
 from gateway.canonical.canonical_json import canonical_json
+from gateway.responsecache.language import num_units
 
 ExactKey = NewType("ExactKey", str)
 PartitionKey = NewType("PartitionKey", str)
 
 NOT_IN_KEY = frozenset({"stream", "stream_options", "user", "metadata", "store", "kvgate", "prompt_cache_key"})
 NOT_IN_PARTITION = NOT_IN_KEY | {"temperature", "top_p"}
-_WORD = re.compile(r"\w+", re.UNICODE)
 
 
 def _digest(*parts: Any) -> str:
@@ -79,6 +78,8 @@ def partition_key(tenant: str, namespace: str, body: dict[str, Any]) -> Partitio
 
 
 def is_trivial(text: str, min_words: int) -> bool:
-    """An empty or near-empty turn ("ok", "continue", "?") carries no question of its own: matching
-    it by meaning would serve one cached reply to every such turn."""
-    return len(_WORD.findall(text)) < min_words
+    """An empty or near-empty turn ("ok", "continue", "?", "好的", "继续") carries no question of its
+    own: matching it by meaning would serve one cached reply to every such turn. Words are counted
+    with a Han character as half a word (`language.num_units`), so a Chinese sentence, which has no
+    spaces, is not one word."""
+    return num_units(text) < min_words
