@@ -9,12 +9,14 @@ import torch
 
 from gateway.engine.backend import EngineBackend
 from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.runner import EngineWorker, ModelRunner
+from gateway.engine.runner import ModelRunner
+from gateway.engine.scheduler import BatchScheduler, EngineWorker
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.blocks import BlockLayout
 from gateway.kvcache.factory import build_manager
 from gateway.kvcache.manager import KVCacheManager
 from gateway.kvcache.settings import KVCacheSettings
+from gateway.kvcache.writebehind import WriteBehindQueue
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +28,12 @@ class Engine:
     runner: ModelRunner
     worker: EngineWorker
     backend: EngineBackend
+    writer: WriteBehindQueue | None = None
 
     def close(self) -> None:
         self.worker.close()
+        if self.writer is not None:
+            self.writer.close()
         if self.kv is not None:
             self.kv.close()
 
@@ -43,12 +48,17 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
         layout = BlockLayout(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, kv_settings.block_size,
                              loaded.dtype)
         kv = build_manager(kv_settings, model_id=loaded.model_id, layout=layout)
-    runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens)
+    writer = None
+    if kv is not None and kv_settings.write_behind_max_blocks:
+        writer = WriteBehindQueue(kv, max_pending_blocks=kv_settings.write_behind_max_blocks)
+    runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens, writer=writer)
     recompute_s = runner.measure_recompute_s_per_token()
     if kv is not None:
         kv.recompute_s_per_token = recompute_s
     log.info("engine: %s on %s (%s), %d KV bytes per token, prefill %.2f ms per token, KV tiers %s",
              loaded.model_id, loaded.device, str(loaded.dtype).removeprefix("torch."), loaded.kv_bytes_per_token,
              recompute_s * 1000, kv.tier_names if kv else "off")
-    worker = EngineWorker(runner, settings.max_queue)
-    return Engine(loaded, kv, runner, worker, EngineBackend(worker, settings))
+    scheduler = BatchScheduler(runner, max_batch=settings.max_batch_sequences,
+                               prefill_chunk_tokens=settings.prefill_chunk_tokens)
+    worker = EngineWorker(runner, scheduler, settings.max_queue)
+    return Engine(loaded, kv, runner, worker, EngineBackend(worker, settings), writer)

@@ -74,6 +74,9 @@ class KVCacheSettings(BaseModel):
     eviction_policy: EvictionPolicyName = Field(
         default=EvictionPolicyName.S3FIFO, description="Eviction order inside each bounded tier."
     )
+    write_behind_max_blocks: int = Field(
+        default=512, ge=0, description="Blocks queued for the background writer before stores drop; 0 = inline."
+    )
     skip_slow_tiers: bool = Field(default=True, description="Recompute instead of loading from a slower tier.")
 
     @field_validator("redis_url", "redis_capacity_bytes", "redis_ttl_s", mode="before")
