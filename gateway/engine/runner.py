@@ -66,6 +66,7 @@ class GenerationResult:
     restored_from: list[str] = field(default_factory=list)
     prefill_s: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -224,6 +225,7 @@ class ModelRunner:
             text=seq.text.text, finish_reason=seq.finish_reason, prompt_tokens=len(gen.prompt_ids),
             completion_tokens=len(seq.generated), cached_tokens=seq.num_cached, cache_creation_tokens=creation,
             restored_from=seq.restored_from, prefill_s=seq.prefill_s, token_times=seq.token_times,
+            output_ids=seq.generated,
         )
 
     def run(self, gen: Generation) -> GenerationResult:

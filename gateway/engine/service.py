@@ -15,6 +15,7 @@ from gateway.engine.settings import EngineSettings
 from gateway.kvcache.blocks import BlockLayout
 from gateway.kvcache.factory import build_manager
 from gateway.kvcache.manager import KVCacheManager
+from gateway.kvcache.prefetch import PrefetchPlanner
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.kvcache.writebehind import WriteBehindQueue
 
@@ -29,9 +30,12 @@ class Engine:
     worker: EngineWorker
     backend: EngineBackend
     writer: WriteBehindQueue | None = None
+    planner: PrefetchPlanner | None = None
 
     def close(self) -> None:
         self.worker.close()
+        if self.planner is not None:
+            self.planner.close()
         if self.writer is not None:
             self.writer.close()
         if self.kv is not None:
@@ -60,5 +64,29 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
              recompute_s * 1000, kv.tier_names if kv else "off")
     scheduler = BatchScheduler(runner, max_batch=settings.max_batch_sequences,
                                prefill_chunk_tokens=settings.prefill_chunk_tokens)
+    planner = build_planner(kv, kv_settings, scheduler, writer)
     worker = EngineWorker(runner, scheduler, settings.max_queue)
-    return Engine(loaded, kv, runner, worker, EngineBackend(worker, settings), writer)
+    return Engine(loaded, kv, runner, worker, EngineBackend(worker, settings), writer, planner)
+
+
+def build_planner(kv: KVCacheManager | None, kv_settings: KVCacheSettings, scheduler: BatchScheduler,
+                  writer: WriteBehindQueue | None) -> PrefetchPlanner | None:
+    """Prefetch into host when there is a host tier with a slower tier below it; hooked into
+    the scheduler's admissions and turn ends."""
+    if kv is None or not kv_settings.prefetch_budget_bytes or "host" not in kv.tier_names[:-1]:
+        return None
+
+    def pressure() -> bool:
+        # Requests waiting for a slot, or stores piling up: the CPU is needed elsewhere.
+        backlog = writer is not None and writer.stats.num_pending_blocks > writer.max_pending_blocks // 2
+        return scheduler.num_waiting > 0 or backlog
+
+    planner = PrefetchPlanner(kv, budget_bytes=kv_settings.prefetch_budget_bytes,
+                              lead_s=kv_settings.prefetch_lead_s, pressure=pressure)
+    attach_planner(scheduler, planner)
+    return planner
+
+
+def attach_planner(scheduler: BatchScheduler, planner: PrefetchPlanner) -> None:
+    scheduler.on_admit = lambda gen: planner.turn_started(gen.salt, gen.prompt_ids)
+    scheduler.on_turn_end = lambda gen, result: planner.turn_ended(gen.salt, gen.prompt_ids + result.output_ids)

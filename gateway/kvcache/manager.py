@@ -287,6 +287,11 @@ class KVCacheManager:
                 break
             self._insert(k, h, block)
             copied += 1
+            with self._lock:
+                # Marked as wanted, like a lookup would: a policy that evicts once-seen blocks
+                # first (S3-FIFO) would otherwise push out block j to make room for block j+1.
+                if h in self._slots[k].sizes:
+                    self._slots[k].policy.touch(h)
         return copied
 
     # ----------------------------------------------------------------- store

@@ -77,6 +77,10 @@ class KVCacheSettings(BaseModel):
     write_behind_max_blocks: int = Field(
         default=512, ge=0, description="Blocks queued for the background writer before stores drop; 0 = inline."
     )
+    prefetch_budget_bytes: int = Field(
+        default=256 * _MIB, ge=0, description="Host bytes of next-turn blocks prefetched ahead of use; 0 = off."
+    )
+    prefetch_lead_s: float = Field(default=0.5, ge=0, description="Prefetch this long before a next turn is due.")
     skip_slow_tiers: bool = Field(default=True, description="Recompute instead of loading from a slower tier.")
 
     @field_validator("redis_url", "redis_capacity_bytes", "redis_ttl_s", mode="before")

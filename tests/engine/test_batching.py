@@ -14,6 +14,8 @@ from gateway.engine.model import LoadedModel
 from gateway.engine.runner import Generation, GenerationResult, ModelRunner
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.scheduler import BatchScheduler
+from gateway.engine.service import attach_planner
+from gateway.kvcache.prefetch import PrefetchPlanner
 from gateway.kvcache.writebehind import WriteBehindQueue
 from tests.engine.test_restore import prompt_ids
 
@@ -42,22 +44,28 @@ def cold_run(loaded: LoadedModel, ids: list[int], max_tokens: int) -> Generation
 
 @pytest.fixture
 def batched(loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner],
-            tmp_path: Path) -> Iterator[tuple[BatchScheduler, WriteBehindQueue]]:
-    runner = make_runner(host_capacity_bytes=1 << 30, disk_capacity_bytes=1 << 30, disk_dir=tmp_path,
+            tmp_path: Path) -> Iterator[tuple[BatchScheduler, WriteBehindQueue, PrefetchPlanner]]:
+    # A host tier too small for all four conversations: next turns restore from host and disk,
+    # with blocks the prefetcher brought back between the turns.
+    block = loaded_model.kv_bytes_per_token * 16
+    runner = make_runner(host_capacity_bytes=24 * block, disk_capacity_bytes=1 << 30, disk_dir=tmp_path,
                          skip_slow_tiers=False)
     assert runner.kv is not None
     writer = WriteBehindQueue(runner.kv, max_pending_blocks=4096)
     runner.writer = writer
     scheduler = BatchScheduler(runner, max_batch=8, prefill_chunk_tokens=24)
-    yield scheduler, writer
+    planner = PrefetchPlanner(runner.kv, budget_bytes=12 * block, lead_s=0.0, first_gap_s=0.0)
+    attach_planner(scheduler, planner)
+    yield scheduler, writer, planner
     scheduler.close()
+    planner.close()
     writer.close()
 
 
 def test_batched_restored_turns_answer_as_cold_single_runs(
-    loaded_model: LoadedModel, batched: tuple[BatchScheduler, WriteBehindQueue]
+    loaded_model: LoadedModel, batched: tuple[BatchScheduler, WriteBehindQueue, PrefetchPlanner]
 ) -> None:
-    scheduler, writer = batched
+    scheduler, writer, planner = batched
     max_tokens = 16
     first_turns = [[{"role": "user", "content": q}] for q in QUESTIONS]
     pieces: list[list[str]] = [[] for _ in QUESTIONS]
@@ -80,6 +88,8 @@ def test_batched_restored_turns_answer_as_cold_single_runs(
     for messages, result in zip(second_turns, again, strict=True):
         assert result.cached_tokens > 0, "the second turn was not restored"
         assert result.text == cold_run(loaded_model, chat_ids(loaded_model, messages), max_tokens).text
+    assert planner.stats.num_turns_ended == 8
+    assert planner.stats.num_prefetches > 0
 
 
 def test_a_cancelled_sequence_frees_its_slot(
