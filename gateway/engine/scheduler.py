@@ -40,6 +40,8 @@ class SchedulerStats:
     busy_s: float = 0.0
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
+    pure_decode_s: float = 0.0
+    num_pure_decode_tokens: int = 0
     max_running: int = 0
 
 
@@ -160,10 +162,15 @@ class BatchScheduler:
                     entry.future.set_exception(exc)
                 self._running = []
                 continue
-            self.stats.busy_s += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            decoded = sum(len(s.generated) for s in seqs) - generated
+            self.stats.busy_s += elapsed
             self.stats.num_steps += 1
-            self.stats.num_decode_tokens += sum(len(s.generated) for s in seqs) - generated
+            self.stats.num_decode_tokens += decoded
             self.stats.num_prefill_tokens += before - sum(len(s.pending) for s in seqs if s.prefilling)
+            if before == 0:
+                self.stats.pure_decode_s += elapsed
+                self.stats.num_pure_decode_tokens += decoded
             self.stats.max_running = max(self.stats.max_running, len(seqs))
             self._retire()
         for entry in [*self._waiting, *self._restoring, *(e for e, _ in self._running)]:

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ class WriteBehindQueue:
         self._cond = threading.Condition()
         self._busy = False
         self._closed = False
+        # (start, end) perf_counter times of recent writes: lets a benchmark tell which decode
+        # steps overlapped a store.
+        self._busy_log: deque[tuple[float, float]] = deque(maxlen=10_000)
         self.stats = WriteBehindStats()
         self._thread = threading.Thread(target=self._run, name="kv-write-behind", daemon=True)
         self._thread.start()
@@ -92,6 +96,9 @@ class WriteBehindQueue:
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout=timeout_s)
 
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        return list(self._busy_log)
+
     def _run(self) -> None:
         # Not Linux, or not allowed: run at normal priority.
         with contextlib.suppress(AttributeError, OSError):
@@ -103,9 +110,11 @@ class WriteBehindQueue:
                     return
                 job = self._queue.popleft()
                 self._busy = True
+            began = time.perf_counter()
             try:
                 self._write(job)
             finally:
+                self._busy_log.append((began, time.perf_counter()))
                 with self._cond:
                     self._busy = False
                     self.stats.num_pending_blocks -= job.num_blocks
