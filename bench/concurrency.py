@@ -158,6 +158,43 @@ class Run:
             self.kv.close()
 
 
+def compare_with_transformers(loaded: LoadedModel, args: argparse.Namespace, n: int) -> dict[str, Any]:
+    """The same N greedy generations through transformers' continuous-batching manager (its own
+    paged KV, on a separate copy of the model) and through this engine's scheduler, tiers off."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from gateway.engine.model import model_directory
+
+    settings = EngineSettings()
+    directory, _ = model_directory(settings.model, settings.model_cache_dir)
+    vocab = loaded.model.config.vocab_size  # type: ignore[union-attr]
+    prompts = [_tokens(random.Random(50 + i), vocab, args.system_tokens + args.first_tokens) for i in range(n)]
+    new = args.hf_tokens
+    out: dict[str, Any] = {"sequences": n, "prompt_tokens": len(prompts[0]), "new_tokens": new}
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(directory, dtype=loaded.dtype).eval()
+        config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None)
+        hf.generate_batch(inputs=prompts[:1], generation_config=config)  # warm-up
+        started = time.perf_counter()
+        done = hf.generate_batch(inputs=prompts, generation_config=config)
+        elapsed = time.perf_counter() - started
+        tokens = sum(len(o.generated_tokens) for o in done.values())
+        out["transformers_cb_tokens_per_s"] = round(tokens / elapsed, 2)
+    except Exception as exc:  # report, do not fail the run
+        out["transformers_cb_error"] = f"{exc.__class__.__name__}: {exc}"[:200]
+    runner = ModelRunner(loaded, None, layerwise_min_tokens=1 << 30)
+    scheduler = BatchScheduler(runner, max_batch=16, prefill_chunk_tokens=args.prefill_chunk)
+    try:
+        started = time.perf_counter()
+        futures = [scheduler.submit(Generation(p, SamplingParams(max_tokens=new))) for p in prompts]
+        tokens = sum(f.result().completion_tokens for f in futures)
+        out["kvgate_tokens_per_s"] = round(tokens / (time.perf_counter() - started), 2)
+    finally:
+        scheduler.close()
+        runner.close()
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvgate bench concurrency")
     parser.add_argument("--json", action="store_true")
@@ -172,6 +209,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lead-s", type=float, default=0.5, help="prefetch this long before a turn is due")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    parser.add_argument("--compare-transformers", action="store_true",
+                        help="also time transformers' continuous-batching manager on the same generations")
+    parser.add_argument("--hf-tokens", type=int, default=32, help="new tokens per sequence in that comparison")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -188,8 +228,11 @@ def main(argv: list[str]) -> int:
                     rows.append(run.go())
                 finally:
                     run.close()
-    summary = {"model": loaded.model_id, "threads": args.threads, "rows": rows,
-               "args": {k: v for k, v in vars(args).items() if k != "json"}}
+    summary: dict[str, Any] = {"model": loaded.model_id, "threads": args.threads, "rows": rows,
+                               "args": {k: v for k, v in vars(args).items() if k != "json"}}
+    if args.compare_transformers:
+        summary["transformers_comparison"] = compare_with_transformers(loaded, args, max(
+            int(s) for s in args.sessions.split(",")))
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -210,6 +253,8 @@ def main(argv: list[str]) -> int:
     if many and on_many:
         print(f"TTFT p50 tiers on / off at {many['sessions']} sessions: "
               f"{on_many['ttft_p50_s'] / many['ttft_p50_s']:.2f}x")
+    if "transformers_comparison" in summary:
+        print(f"same greedy generations, all at once: {summary['transformers_comparison']}")
     if on_many and on_many.get("itl_p99_storing_s") and on_many.get("itl_p99_not_storing_s"):
         print(f"ITL p99 while storing / not storing: "
               f"{on_many['itl_p99_storing_s'] / on_many['itl_p99_not_storing_s']:.2f}x")

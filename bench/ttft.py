@@ -73,7 +73,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tiers", default="device,host,disk,redis")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads; unset = torch's default")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     settings = EngineSettings()
     loaded = load_model(settings.model, settings.model_cache_dir, settings.device, settings.dtype)
