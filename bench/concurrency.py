@@ -57,8 +57,9 @@ class Run:
                  tmp: Path) -> None:
         self.loaded, self.args, self.sessions = loaded, args, sessions
         self.kv_on, self.prefetch = kv_on, prefetch
-        final_tokens = args.system_tokens + args.first_tokens + args.turns * (args.user_tokens + args.max_tokens)
-        total_kv = sessions * final_tokens * loaded.kv_bytes_per_token
+        # The KV all conversations hold at the end: the shared system prompt once, each one's turns.
+        own = args.first_tokens + args.turns * (args.user_tokens + args.max_tokens)
+        total_kv = (args.system_tokens + sessions * own) * loaded.kv_bytes_per_token
         self.host_bytes = int(total_kv * args.host_fraction)
         self.writer: WriteBehindQueue | None = None
         self.planner: PrefetchPlanner | None = None
@@ -209,6 +210,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lead-s", type=float, default=0.5, help="prefetch this long before a turn is due")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    parser.add_argument("--kv-only", action="store_true", help="skip the runs with the tiers off")
     parser.add_argument("--compare-transformers", action="store_true",
                         help="also time transformers' continuous-batching manager on the same generations")
     parser.add_argument("--hf-tokens", type=int, default=32, help="new tokens per sequence in that comparison")
@@ -222,6 +224,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp_dir:
         for sessions in (int(s) for s in args.sessions.split(",")):
             configs = [(False, False), (True, True)] + ([(True, False)] if sessions > 1 else [])
+            if args.kv_only:
+                configs = [c for c in configs if c[0]]
             for kv_on, prefetch in configs:
                 run = Run(loaded, args, sessions, kv_on, prefetch, Path(tmp_dir))
                 try:

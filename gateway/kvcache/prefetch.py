@@ -106,7 +106,9 @@ class PrefetchPlanner:
         for key, ended in list(self._ended.items()):
             if now - ended.ended_at > 4 * gap + 60:
                 del self._ended[key]
-        due = [e for e in self._ended.values() if not e.prefetched and e.ended_at + gap - self.lead_s <= now]
+        # Users differ: half the mean pause catches most of those who come back early, and the
+        # budget keeps the early prefetches from crowding the host tier.
+        due = [e for e in self._ended.values() if not e.prefetched and e.ended_at + 0.5 * gap - self.lead_s <= now]
         return sorted(due, key=lambda e: e.ended_at)
 
     def _run(self) -> None:
