@@ -262,17 +262,17 @@ class KVCacheManager:
             if not held:
                 self._insert(k, h, block)
 
-    def prefetch(self, hashes: Sequence[BlockHash], target: str,
-                 should_stop: Callable[[], bool] = lambda: False) -> int:
+    def prefetch(self, hashes: Sequence[BlockHash], target: str, should_stop: Callable[[], bool] = lambda: False,
+                 max_blocks: int | None = None) -> int:
         """Copy the chain `hashes` into tier `target` from the slower tiers below it, block by
         block in chain order, until a block is missing (the rest would be useless) or
-        `should_stop()`. Returns how many blocks were copied."""
+        `should_stop()`, or `max_blocks` were copied. Returns how many blocks were copied."""
         if self.layout is None:
             return 0
         k = self.tier_names.index(target)
         copied = 0
         for h in hashes:
-            if should_stop():
+            if should_stop() or (max_blocks is not None and copied >= max_blocks):
                 break
             with self._lock:
                 if h in self._slots[k].sizes:

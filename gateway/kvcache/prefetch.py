@@ -32,6 +32,7 @@ class _Ended:
     hashes: list[BlockHash]
     ended_at: float
     prefetched: bool = False
+    num_copied: int = 0
 
 
 @dataclass(slots=True)
@@ -118,7 +119,9 @@ class PrefetchPlanner:
                 if self._closed:
                     return
                 due = self._due(time.monotonic())
-                held = sum(len(e.hashes) for e in self._ended.values() if e.prefetched) * block_bytes
+                # Only what this planner copied counts: blocks still in host (a shared system
+                # prompt) cost the budget nothing.
+                held = sum(e.num_copied for e in self._ended.values()) * block_bytes
                 if not due or held + block_bytes > self.budget_bytes:
                     self._cond.wait(timeout=0.05)
                     continue
@@ -128,13 +131,15 @@ class PrefetchPlanner:
                 with self._cond:
                     self._cond.wait(timeout=0.05)
                 continue
-            hashes = ended.hashes[: (self.budget_bytes - held) // block_bytes]
+            hashes = ended.hashes
+            room = (self.budget_bytes - held) // block_bytes
             try:
-                copied = self.manager.prefetch(hashes, self.target, should_stop=self._stop)
+                copied = self.manager.prefetch(hashes, self.target, should_stop=self._stop, max_blocks=room)
             except Exception:  # a prefetch is an optimization: never let it kill the thread
                 log.exception("prefetch failed")
                 copied = 0
-            if copied < len(hashes) and self.pressure():
+            ended.num_copied += copied
+            if copied < min(room, len(hashes)) and self.pressure():
                 self.stats.num_cancelled += 1  # stopped half-way: try again when the pressure is off
             else:
                 ended.prefetched = True
