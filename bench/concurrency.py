@@ -73,7 +73,8 @@ class Run:
             kv = build_manager(settings, model_id=loaded.model_id, layout=layout)
             self.writer = WriteBehindQueue(kv, max_pending_blocks=4096)
         self.kv = kv
-        self.runner = ModelRunner(loaded, kv, layerwise_min_tokens=1 << 30, writer=self.writer)
+        self.runner = ModelRunner(loaded, kv, layerwise_min_tokens=1 << 30, writer=self.writer,
+                                  read_wait_s=KVCacheSettings().write_behind_read_wait_s)
         self.scheduler = BatchScheduler(self.runner, max_batch=16, prefill_chunk_tokens=args.prefill_chunk)
         if kv is not None and prefetch:
             self.planner = PrefetchPlanner(kv, budget_bytes=self.host_bytes // 2, lead_s=args.lead_s,

@@ -97,10 +97,12 @@ class Sequence:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv: KVCacheManager | None, *, layerwise_min_tokens: int,
-                 writer: WriteBehindQueue | None = None) -> None:
+                 writer: WriteBehindQueue | None = None, read_wait_s: float = 0.0) -> None:
+        """`read_wait_s`: how long a restore waits for a pending store of the same conversation."""
         self.loaded = loaded
         self.kv = kv
         self.writer = writer
+        self.read_wait_s = read_wait_s
         self.layerwise_min_tokens = layerwise_min_tokens
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-layer-loader")
         if getattr(loaded.model.config, "_attn_implementation", None) != RAGGED:
@@ -123,6 +125,8 @@ class ModelRunner:
         usable = (len(gen.prompt_ids) - 1) // block_size * block_size
         if usable == 0:
             return empty
+        if self.writer is not None and self.read_wait_s:
+            self.writer.wait_for_prefix(gen.salt, gen.prompt_ids[:usable], self.read_wait_s)
         try:
             found = self.kv.lookup(gen.salt, gen.prompt_ids[:usable], pin=True)
             try:

@@ -55,7 +55,8 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
     writer = None
     if kv is not None and kv_settings.write_behind_max_blocks:
         writer = WriteBehindQueue(kv, max_pending_blocks=kv_settings.write_behind_max_blocks)
-    runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens, writer=writer)
+    runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens, writer=writer,
+                         read_wait_s=kv_settings.write_behind_read_wait_s)
     recompute_s = runner.measure_recompute_s_per_token()
     if kv is not None:
         kv.recompute_s_per_token = recompute_s

@@ -77,6 +77,9 @@ class KVCacheSettings(BaseModel):
     write_behind_max_blocks: int = Field(
         default=512, ge=0, description="Blocks queued for the background writer before stores drop; 0 = inline."
     )
+    write_behind_read_wait_s: float = Field(
+        default=5.0, ge=0, description="A restore waits this long for a pending store of its own conversation."
+    )
     prefetch_budget_bytes: int = Field(
         default=256 * _MIB, ge=0, description="Host bytes of next-turn blocks prefetched ahead of use; 0 = off."
     )

@@ -63,6 +63,7 @@ class WriteBehindQueue:
         self._queue: deque[_Store] = deque()
         self._cond = threading.Condition()
         self._busy = False
+        self._current: _Store | None = None
         self._closed = False
         # (start, end) perf_counter times of recent writes: lets a benchmark tell which decode
         # steps overlapped a store.
@@ -96,6 +97,23 @@ class WriteBehindQueue:
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout=timeout_s)
 
+    def wait_for_prefix(self, salt: str, token_ids: Sequence[int], timeout_s: float) -> bool:
+        """Wait (up to `timeout_s`) until no queued or running store is a prefix of `token_ids`
+        (or they of it): a request that continues a just-finished turn then reads its blocks from
+        the tier rather than recomputing them, while a request of another conversation, even one
+        with the same system prompt, never waits. Called off the model thread. False on timeout."""
+        ids = list(token_ids)
+
+        def related(job: _Store | None) -> bool:
+            if job is None or job.salt != salt:
+                return False
+            n = min(len(job.token_ids), len(ids))
+            return n > 0 and job.token_ids[:n] == ids[:n]
+
+        with self._cond:
+            return self._cond.wait_for(lambda: not related(self._current) and not any(map(related, self._queue)),
+                                       timeout=timeout_s)
+
     def busy_intervals(self) -> list[tuple[float, float]]:
         return list(self._busy_log)
 
@@ -110,6 +128,7 @@ class WriteBehindQueue:
                     return
                 job = self._queue.popleft()
                 self._busy = True
+                self._current = job
             began = time.perf_counter()
             try:
                 self._write(job)
@@ -117,6 +136,7 @@ class WriteBehindQueue:
                 self._busy_log.append((began, time.perf_counter()))
                 with self._cond:
                     self._busy = False
+                    self._current = None
                     self.stats.num_pending_blocks -= job.num_blocks
                     self._cond.notify_all()
 

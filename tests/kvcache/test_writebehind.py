@@ -97,3 +97,20 @@ def test_close_drains_what_was_queued(tmp_path: Path) -> None:
     assert manager.lookup("t", ids).num_tokens == 8
     assert not writer.submit("t", list(range(50, 58)), _layers(kv), kv_start=0)
     manager.close()
+
+
+def test_a_restore_waits_only_for_its_own_conversation(tmp_path: Path) -> None:
+    manager = _manager(tmp_path)
+    writer = WriteBehindQueue(manager, max_pending_blocks=64)
+    ids, kv = list(range(1, 9)), make_kv(8)
+    try:
+        with manager._lock:  # the writer is parked inside this store
+            writer.submit("t", ids, _layers(kv), kv_start=0)
+            assert writer.wait_for_prefix("t", list(range(1, 5)) + [99] * 8, timeout_s=0.05)
+            assert writer.wait_for_prefix("other-tenant", [*ids, 42], timeout_s=0.05)
+            assert not writer.wait_for_prefix("t", [*ids, 42], timeout_s=0.05)
+        assert writer.wait_for_prefix("t", [*ids, 42], timeout_s=30)
+        assert manager.lookup("t", [*ids, 42]).num_tokens == 8
+    finally:
+        writer.close()
+        manager.close()
