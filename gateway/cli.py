@@ -23,6 +23,7 @@ BENCHMARKS = {
     "kv-tiers": "bench.kv_tiers",
     "kv-trace": "bench.kv_trace",
     "ttft": "bench.ttft",
+    "concurrency": "bench.concurrency",
     "prefix-stability": "bench.prefix_stability",
     "routing": "bench.routing",
     "cache-latency": "bench.cache_latency",
