@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from gateway.api import admin, dashboard, health, openai
+from gateway.api import admin, dashboard, health, messages, openai, responses_api
 from gateway.api.openapi import install_openapi
 from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
@@ -20,6 +20,8 @@ from gateway.persistence.database import make_engine, make_sessionmaker, upgrade
 from gateway.persistence.keys import FirstKeys, KeyStore, create_first_keys
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.pipeline.condense import CondenseStep
+from gateway.pipeline.embeddings import EmbeddingCache
+from gateway.pipeline.native import MESSAGES, RESPONSES, NativeRoute
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
 from gateway.runtime import configure_process
@@ -29,6 +31,7 @@ from gateway.upstream.backend import Backend
 from gateway.upstream.http import HttpBackend
 from gateway.upstream.router import Router
 from gateway.usage.accounting import Accountant
+from gateway.usage.cache_writes import CacheWriteTracker
 
 if TYPE_CHECKING:
     from gateway.engine.service import Engine
@@ -61,7 +64,7 @@ async def build_embedding_backend() -> Backend:
     from gateway.engine.embeddings import EmbeddingBackend
     from gateway.responsecache.embedder import Embedder, load_model
 
-    model = await asyncio.to_thread(load_model)
+    model = await asyncio.to_thread(load_model)  # the process's one copy (its threads are fixed at first load)
     return EmbeddingBackend(model, Embedder(model))
 
 
@@ -110,6 +113,12 @@ def create_app(settings: Settings) -> FastAPI:
             if metrics is not None:
                 metrics.observe_prefix_break(reason, tenant=tenant, model=model)
 
+        cache_writes = CacheWriteTracker()
+        proxy = Proxy(router, request_log, response_cache,
+                      preparer=Preparer(settings.canonical, encoding=settings.routing.encoding,
+                                        block_tokens=settings.routing.block_tokens, on_break=on_break),
+                      accountant=Accountant(settings.usage.prices), compaction=settings.compaction,
+                      condense=CondenseStep(settings.condense, settings.engine))
         app.state.services = Services(
             settings=settings,
             db=db,
@@ -117,12 +126,13 @@ def create_app(settings: Settings) -> FastAPI:
             keys=KeyStore(sessions, settings.admin_key, settings.key_cache_ttl_s),
             request_log=request_log,
             router=router,
-            proxy=Proxy(router, request_log, response_cache,
-                        preparer=Preparer(settings.canonical, encoding=settings.routing.encoding,
-                                          block_tokens=settings.routing.block_tokens, on_break=on_break),
-                        accountant=Accountant(settings.usage.prices), compaction=settings.compaction,
-                        condense=CondenseStep(settings.condense, settings.engine)),
+            proxy=proxy,
             response_cache=response_cache,
+            native_messages=NativeRoute(MESSAGES, router, request_log, response_cache, proxy.flights,
+                                        on_usage=cache_writes.observe),
+            cache_writes=cache_writes,
+            native_responses=NativeRoute(RESPONSES, router, request_log, response_cache, proxy.flights),
+            embedding_cache=EmbeddingCache(response_cache, proxy, request_log) if response_cache is not None else None,
         )
         try:
             yield
@@ -144,6 +154,8 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.observability.dashboard_enabled:
         app.include_router(dashboard.dashboard_router)
     app.include_router(openai.router)
+    app.include_router(messages.router)
+    app.include_router(responses_api.router)
     app.include_router(health.router)
     app.include_router(admin.router)
     return app

@@ -18,7 +18,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 
 from gateway.canonical.prepare import Prepared, Preparer
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UpstreamError
 from gateway.persistence.keys import Principal
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
 from gateway.pipeline.compaction import (
@@ -38,7 +38,8 @@ from gateway.pipeline.condense import (
     condense_headers,
     condensed_from,
 )
-from gateway.responsecache.cache import Lookup, ResponseCache
+from gateway.pipeline.singleflight import Flight, SingleFlight
+from gateway.responsecache.cache import HIT_INFLIGHT, Lookup, ResponseCache
 from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.replay import assemble_stream
 from gateway.upstream.backend import Backend, JSONObject
@@ -74,8 +75,9 @@ class Proxy:
     def __init__(self, router: Router, request_log: RequestLogWriter,
                  response_cache: ResponseCache | None = None, preparer: Preparer | None = None,
                  accountant: Accountant | None = None, compaction: CompactionSettings | None = None,
-                 condense: CondenseStep | None = None) -> None:
+                 condense: CondenseStep | None = None, flights: SingleFlight | None = None) -> None:
         self._router = router
+        self.flights = flights or SingleFlight()
         self._compaction = compaction or CompactionSettings()
         self._log = request_log
         self._cache = response_cache
@@ -87,7 +89,7 @@ class Proxy:
         """Canonical body, prefix-break diagnostics and prefix blocks (chat and completions)."""
         if self._preparer is None or call.route == "embeddings":
             return Prepared(call.body)
-        prepared = self._preparer.prepare(call.principal.tenant, call.body, chat=call.route == "chat.completions",
+        prepared = self._preparer.prepare(call.principal.tenant, call.body, chat=call.path == "/chat/completions",
                                           session=call.session)
         call.body = prepared.body
         return prepared
@@ -106,12 +108,17 @@ class Proxy:
                 response.headers.update(prepared.headers)
                 return response
         cache_status = lookup.status if lookup else None
+        flight: Flight | None = None
+        if lookup is not None and self._cache is not None and lookup.controls.read:
+            flight, leads = self.flights.join(lookup.key)
+            if not leads:
+                return await self._follow(call, started, prepared, lookup, flight)
         try:
             # After the cache lookup (keyed by what the client sent), before the upstream reads it.
             if call.condense is not None and self._condense is not None:
                 call.body, call.condensed = await self._condense.apply(call.body, call.condense)
             if call.stream:
-                return await self._forward_stream(call, started, prepared, lookup)
+                return await self._forward_stream(call, started, prepared, lookup, flight)
             result, route = await self._router.call(
                 call.model, lambda b: b.post_json(call.path, call.body, salt=tenant_salt(call.principal.tenant)),
                 blocks=prepared.blocks,
@@ -121,9 +128,17 @@ class Proxy:
         except GatewayError as exc:
             if is_context_overflow(exc) and call.route == "chat.completions":
                 if call.compact and (request := compaction_request(call.body, self._compaction)) is not None:
+                    if flight is not None:
+                        self.flights.abandon(flight)  # the compacted request is another request
                     return await self._compact_and_forward(call, request, prepared)
                 exc.message += HOW_TO_OPT_IN
             self._record(call, started, status=exc.status_code, error=exc, cache=cache_status)
+            if flight is not None:
+                self.flights.fail(flight, exc)
+            raise
+        except BaseException:
+            if flight is not None:
+                self.flights.fail(flight, UpstreamError("the identical request this one waited for was cancelled"))
             raise
         ttfb = time.perf_counter()
         headers = {"x-request-id": call.request_id, **prepared.headers, **_compaction_headers(call),
@@ -137,13 +152,35 @@ class Proxy:
                                 "kvgate": {"usage_source": accounted.source, **_compaction_field(call)}})
             headers["x-kvgate-usage-source"] = accounted.source
         self._record(call, started, status=200, backend=backend, usage=usage, ttfb_s=ttfb, cache=cache_status)
+        stored = None
         if lookup is not None and self._cache is not None:
-            self._cache.store_later(lookup, result.body)
+            stored = self._cache.store_later(lookup, result.body)
             headers.update(lookup.headers)
+        if flight is not None:
+            self.flights.resolve(flight, result.body, linger=stored)
         return Response(raw, media_type="application/json", headers=headers)
 
+    async def _follow(self, call: Call, started: float, prepared: Prepared, lookup: Lookup,
+                      flight: Flight) -> Response:
+        """Answer from the leader of an identical request in flight, as a cache hit would be."""
+        assert self._cache is not None
+        try:
+            answer = await self.flights.wait(flight)
+        except GatewayError as exc:
+            self._record(call, started, status=exc.status_code, error=exc, cache=HIT_INFLIGHT)
+            raise
+        if answer is None:  # the leader turned into another request (compaction): go on our own
+            return await self.forward(call)
+        lookup.answer, lookup.status = answer, HIT_INFLIGHT
+        self._record(call, started, status=200, usage=lookup.hit_usage, ttfb_s=time.perf_counter(),
+                     cache=lookup.status)
+        response = self._cache.replay(lookup, stream=call.stream, include_usage=call.include_usage,
+                                      request_id=call.request_id)
+        response.headers.update(prepared.headers)
+        return response
+
     async def _forward_stream(self, call: Call, started: float, prepared: Prepared,
-                              lookup: Lookup | None = None) -> Response:
+                              lookup: Lookup | None = None, flight: Flight | None = None) -> Response:
         def open_on(backend: Backend) -> Any:
             return backend.post_stream(call.path, _stream_body(call, backend), salt=tenant_salt(call.principal.tenant))
 
@@ -162,7 +199,7 @@ class Proxy:
 
         outcome = StreamOutcome(started_s=started)
         storing = lookup is not None and self._cache is not None and lookup.controls.write
-        if storing:
+        if storing or flight is not None:
             outcome.chunks = []
         drop_usage = not call.include_usage
 
@@ -187,17 +224,26 @@ class Proxy:
                     ttfb_s=outcome.first_byte_s, error=error, cache=lookup.status if lookup else None,
                 )
                 keep()
+                if flight is not None:  # no complete answer came: the waiters fail with this one
+                    self.flights.fail(flight, error or UpstreamError(
+                        "the identical request this one waited for ended before its answer was complete"))
 
         kept = False
 
         def keep() -> None:
             """Only a stream that reached [DONE] without an error is an answer worth keeping. Runs
             before [DONE] is sent, so that a client asking again the moment it has read [DONE]
-            is served from the cache (issue 15)."""
+            is served from the cache (issue 15); the requests waiting on this one get it then too."""
             nonlocal kept
-            if not kept and storing and outcome.completed and outcome.error is None and lookup and self._cache:
-                kept = True
-                self._cache.store_later(lookup, assemble_stream(outcome.chunks or [], outcome.usage))
+            if kept or not outcome.completed or outcome.error is not None:
+                return
+            kept = True
+            answer = assemble_stream(outcome.chunks or [], outcome.usage)
+            stored = None
+            if storing and lookup and self._cache:
+                stored = self._cache.store_later(lookup, answer)
+            if flight is not None and answer is not None:
+                self.flights.resolve(flight, answer, linger=stored)
 
         async def events() -> AsyncIterator[bytes]:
             try:

@@ -25,7 +25,7 @@ from gateway.usage.settings import Price, UsageSettings
 
 # The model id of the embedded default's `/v1/embeddings` (gateway/engine/embeddings.py imports it
 # from here: that module imports torch, this one must not).
-LOCAL_EMBEDDING_MODEL_ID = "all-minilm-l6-v2"
+LOCAL_EMBEDDING_MODEL_ID = "multilingual-e5-small"
 __all__ = ["LOCAL_EMBEDDING_MODEL_ID", "Settings", "UpstreamSettings", "parse_upstream_flag"]
 
 
@@ -56,6 +56,8 @@ class Settings(BaseSettings):
     log_prompts: bool = False
     request_log_batch: int = Field(default=256, gt=0)
     key_cache_ttl_s: float = 30.0
+    # Give requests with x-kvgate-session and no prompt_cache_key one derived from tenant and session.
+    derive_prompt_cache_key: bool = False
     canonical: CanonicalSettings = Field(default_factory=CanonicalSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     usage: UsageSettings = Field(default_factory=UsageSettings)

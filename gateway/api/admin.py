@@ -45,4 +45,33 @@ async def purge(request: Request, services: ServicesDep, _: AdminDep) -> Respons
 
 @router.get("/response-cache/stats")
 async def stats(services: ServicesDep, _: AdminDep) -> Response:
-    return json_response(_cache(services).stats())
+    cache = _cache(services)
+    return json_response({**cache.stats(), "entries_never_read": await cache.count_never_read()})
+
+
+@router.post("/response-cache/delete")
+async def delete_entry(request: Request, services: ServicesDep, _: AdminDep) -> Response:
+    """Body: `{"id": N}` (the `x-kvgate-cache-id` of a hit) or `{"key": K}` (`x-kvgate-cache-key`)."""
+    cache = _cache(services)
+    body = await read_json(request, services.settings.max_body_bytes)
+    entry_id, key = body.get("id"), body.get("key")
+    if isinstance(entry_id, int) and not isinstance(entry_id, bool) and key is None:
+        return json_response({"deleted": await cache.delete(entry_id=entry_id), "id": entry_id})
+    if isinstance(key, str) and key and entry_id is None:
+        return json_response({"deleted": await cache.delete(key=key), "key": key})
+    raise InvalidField("give an integer id or a key string (one of them)")
+
+
+@router.delete("/response-cache/entries/{entry_id}")
+async def delete_by_id(entry_id: int, services: ServicesDep, _: AdminDep) -> Response:
+    deleted = await _cache(services).delete(entry_id=entry_id)
+    if not deleted:
+        raise NotFound(f"no cache entry {entry_id}")
+    return json_response({"deleted": deleted, "id": entry_id})
+
+
+@router.get("/provider-cache/writes")
+async def provider_cache_writes(services: ServicesDep, _: AdminDep) -> Response:
+    """Anthropic prompt-cache writes seen on native /v1/messages, and how many were never read."""
+    tracker = services.cache_writes
+    return json_response(tracker.summary() if tracker is not None else {})

@@ -78,6 +78,10 @@ async def dashboard_summary(services: ServicesDep, metrics: MetricsDep, _: Admin
         for b in reversed(metrics.recent_breaks)
     ]
     summary["response_cache"] = services.response_cache.stats() if services.response_cache is not None else None
+    writes = services.cache_writes.summary() if services.cache_writes is not None else {}
+    if services.response_cache is not None:
+        writes["entries_never_read"] = await services.response_cache.count_never_read()
+    summary["cache_writes"] = writes or None
     return json_response(summary, headers=NO_STORE)
 
 

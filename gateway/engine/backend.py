@@ -11,8 +11,9 @@ from typing import Any
 
 import orjson
 
-from gateway.engine.runner import EngineWorker, Generation, GenerationResult
+from gateway.engine.runner import Generation, GenerationResult
 from gateway.engine.sampling import SamplingParams
+from gateway.engine.scheduler import EngineWorker
 from gateway.engine.settings import EngineSettings
 from gateway.errors import InvalidRequest, RateLimited
 from gateway.schemas.sse import encode_done, encode_event

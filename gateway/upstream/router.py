@@ -112,6 +112,9 @@ class Router:
             raise ModelNotFound(f"The model {model_id!r} does not exist or is not served here", param="model")
         return serving
 
+    async def serving(self, model_id: str) -> list[Backend]:
+        """The backends that serve `model_id` (ModelNotFound when none does)."""
+        return list(await self._candidates(model_id))
     # ------------------------------------------------------------------ choice
 
     def order(self, serving: list[Backend], blocks: Sequence[PrefixBlock]) -> list[tuple[Backend, int]]:

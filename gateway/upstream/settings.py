@@ -4,6 +4,7 @@ and each upstream (`settings.upstreams`, or `--upstream NAME=BASE_URL`)."""
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -45,6 +46,12 @@ class UpstreamSettings(BaseModel):
     inject_stream_usage: bool = True
     # A kvgate engine (`kvgate engine`): send it the tenant's KV salt so tenants keep separate blocks.
     send_cache_salt: bool = False
+    # "anthropic": an Anthropic-style API (x-api-key auth); /v1/messages is forwarded to it unchanged.
+    api: Literal["openai", "anthropic"] = "openai"
+    # Speaks OpenAI's /v1/responses itself: Responses requests are forwarded, not translated.
+    responses_api: bool = False
+    # Forward prompt_cache_key and cache_salt; false for upstreams that reject fields they do not know.
+    prompt_cache_fields: bool = True
 
     @field_validator("base_url")
     @classmethod

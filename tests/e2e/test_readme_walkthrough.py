@@ -21,7 +21,7 @@ from tests.e2e.conftest import FirstRun, banner_lines, snippet_with
 from tests.e2e.readme import README, block_after, command_steps
 
 REPO = Path(__file__).resolve().parents[2]
-CHAT_MODEL, EMBEDDING_MODEL = "smollm2-135m-instruct", "all-minilm-l6-v2"
+CHAT_MODEL, EMBEDDING_MODEL = "smollm2-135m-instruct", "multilingual-e5-small"
 
 
 def _requirement_name(spec: str) -> str:

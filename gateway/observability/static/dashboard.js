@@ -120,7 +120,7 @@ function table(node, columns, rows) {
   }
 }
 
-function tiles(o) {
+function tiles(o, writes) {
   const t = $("tiles");
   t.replaceChildren();
   const saved = sum(o.cost_saved_usd.response_cache, o.cost_saved_usd.kv_cache);
@@ -140,6 +140,12 @@ function tiles(o) {
     ["TTFT cached", ms(o.ttft_ms.cached.p50), "p50; p95 " + ms(o.ttft_ms.cached.p95)],
     ["TTFT uncached", ms(o.ttft_ms.uncached.p50), "p50; p95 " + ms(o.ttft_ms.uncached.p95)],
   ];
+  if (writes) {
+    // Provider prompt-cache writes (billed at a premium) that expired unread, and stored answers never served.
+    items.push(["Cache writes never read", num(writes.writes_never_read),
+                num(writes.write_tokens_never_read) + " provider write tokens; " +
+                num(writes.entries_never_read) + " response-cache entries unserved"]);
+  }
   for (const [label, value, sub] of items) {
     const tile = el("div", null, "tile");
     tile.append(el("div", label, "label"), el("div", value, "value"), el("div", sub, "sub"));
@@ -162,7 +168,7 @@ const GROUP_COLUMNS = [
 ];
 
 function render(data) {
-  tiles(data.overview);
+  tiles(data.overview, data.cache_writes);
   const pts = data.series.points;
   const labels = pts.map((p) => p.t);
   lineChart($("chart-rps"), labels, [{ name: "requests/s", values: pts.map((p) => p.rps) }]);
