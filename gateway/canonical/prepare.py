@@ -16,12 +16,22 @@ from gateway.usage.tokens import get_encoding, render_prompt
 
 @dataclass(slots=True)
 class Prepared:
+    """A request made ready for the cache and the router. Its prefix blocks are cut only when
+    something asks for them (the router, on a miss): an exact hit pays no tokenizer pass."""
+
     body: dict[str, Any]
-    blocks: list[PrefixBlock] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
     breaks: list[str] = field(default_factory=list)
     layout: list[str] = field(default_factory=list)
     volatile: list[str] = field(default_factory=list)
+    cut: Callable[[dict[str, Any]], list[PrefixBlock]] | None = None
+    _blocks: list[PrefixBlock] | None = None
+
+    @property
+    def blocks(self) -> list[PrefixBlock]:
+        if self._blocks is None:
+            self._blocks = self.cut(self.body) if self.cut is not None else []
+        return self._blocks
 
 
 class Preparer:
@@ -54,6 +64,9 @@ class Preparer:
             if self._on_break:
                 for reason in [*prepared.breaks, *prepared.layout]:
                     self._on_break(reason, tenant, body.get("model"))
-        ids = self._encoding.encode(render_prompt(prepared.body), disallowed_special=())
-        prepared.blocks = prefix_blocks(ids, self._block_tokens)
+        prepared.cut = self.prefix_blocks
         return prepared
+
+    def prefix_blocks(self, body: dict[str, Any]) -> list[PrefixBlock]:
+        """The prompt cut into chain-hashed token blocks (one tiktoken pass over the prompt)."""
+        return prefix_blocks(self._encoding.encode(render_prompt(body), disallowed_special=()), self._block_tokens)
