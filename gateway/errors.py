@@ -11,6 +11,7 @@
     │   └── ModelNotFound             404 invalid_request_error, code model_not_found
     ├── RateLimited                   429 rate_limit_error
     ├── ServiceUnavailable            503 server_error (a dependency such as the database is down)
+    ├── EngineError                   500 server_error, code engine_error (the built-in engine failed)
     └── UpstreamError                 502 upstream_error
         ├── UpstreamTimeout           504 upstream_error
         ├── UpstreamUnavailable       502 upstream_error (connect failed, no upstream left)
@@ -122,6 +123,13 @@ class UpstreamError(GatewayError):
 class UpstreamTimeout(UpstreamError):
     status_code = 504
     code = "upstream_timeout"
+
+
+class EngineError(GatewayError):
+    """The built-in engine failed on a request (a bug or out of memory): the client gets a 500 in
+    the OpenAI envelope (or an error event mid-stream) and the request log gets its row."""
+
+    code = "engine_error"
 
 
 class UpstreamUnavailable(UpstreamError):

@@ -4,9 +4,11 @@ and SSE out, exactly as a remote upstream would answer, so the proxy treats both
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import orjson
@@ -15,12 +17,27 @@ from gateway.engine.runner import Generation, GenerationResult
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.scheduler import EngineWorker
 from gateway.engine.settings import EngineSettings
-from gateway.errors import InvalidRequest, RateLimited
+from gateway.errors import EngineError, GatewayError, InvalidRequest, RateLimited
 from gateway.schemas.sse import encode_done, encode_event
 from gateway.settings import LOCAL_EMBEDDING_MODEL_ID
 from gateway.upstream.backend import JSONObject, UpstreamJSON
 
 CHAT, COMPLETIONS = "/chat/completions", "/completions"
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def engine_boundary() -> Iterator[None]:
+    """The engine's boundary, as `_mapped` is the HTTP client's: kvgate's own errors pass, anything
+    else the engine raises (a bug, out of memory) becomes an `EngineError`, so the proxy logs the
+    request and the client gets an OpenAI 500 or an error event, never a cut stream."""
+    try:
+        yield
+    except GatewayError:
+        raise
+    except Exception as exc:
+        log.exception("engine: request failed")
+        raise EngineError(f"the built-in engine failed: {type(exc).__name__}") from exc
 
 
 def _text_of(content: Any) -> str:
@@ -115,12 +132,13 @@ class EngineBackend:
                 "system_fingerprint": "kvgate-engine"}
 
     async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
-        gen = self._generation(path, body, salt)
-        try:
-            result = await self.worker.generate(gen)
-        except asyncio.CancelledError:
-            gen.cancelled.set()  # the client left: stop the model at its next token
-            raise
+        with engine_boundary():
+            gen = self._generation(path, body, salt)
+            try:
+                result = await self.worker.generate(gen)
+            except asyncio.CancelledError:
+                gen.cancelled.set()  # the client left: stop the model at its next token
+                raise
         base = self._envelope(path)
         if path == CHAT:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
@@ -133,9 +151,10 @@ class EngineBackend:
         return UpstreamJSON(200, payload, raw)
 
     async def post_stream(self, path: str, body: JSONObject, *, salt: str = "") -> EngineStream:
-        gen = self._generation(path, body, salt)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return EngineStream(self.worker, gen, path, self._envelope(path), include_usage)
+        with engine_boundary():
+            gen = self._generation(path, body, salt)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return EngineStream(self.worker, gen, path, self._envelope(path), include_usage)
 
     async def aclose(self) -> None:
         self.worker.close()
@@ -168,6 +187,11 @@ class EngineStream:
         return encode_event({**self._base, "choices": [choice]})
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        with engine_boundary():
+            async for event in self._events():
+                yield event
+
+    async def _events(self) -> AsyncIterator[bytes]:
         if self._path == CHAT:
             yield self._chunk(None, role=True)
         while True:
