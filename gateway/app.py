@@ -22,7 +22,7 @@ from gateway.persistence.request_log import RequestLogWriter
 from gateway.pipeline.condense import CondenseStep
 from gateway.pipeline.embeddings import EmbeddingCache
 from gateway.pipeline.native import MESSAGES, RESPONSES, NativeRoute
-from gateway.proxy import Proxy
+from gateway.pipeline.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
 from gateway.runtime import configure_process
 from gateway.services import Services

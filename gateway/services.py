@@ -10,7 +10,7 @@ from gateway.persistence.keys import KeyStore
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.pipeline.embeddings import EmbeddingCache
 from gateway.pipeline.native import NativeRoute
-from gateway.proxy import Proxy
+from gateway.pipeline.proxy import Proxy
 from gateway.responsecache.cache import ResponseCache
 from gateway.settings import Settings
 from gateway.upstream.router import Router

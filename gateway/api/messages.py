@@ -17,9 +17,10 @@ from starlette.responses import Response
 from gateway.api.body import read_json
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.openai import request_id
+from gateway.api.render import render
 from gateway.api.translate import translate_json, translate_stream
 from gateway.canonical.prompt_cache import with_prompt_cache_key
-from gateway.proxy import Call
+from gateway.pipeline.call import Call, Route
 from gateway.responsecache.controls import read_controls
 from gateway.schemas import anthropic
 from gateway.schemas.usage import error_of
@@ -48,14 +49,14 @@ async def messages(request: Request, services: ServicesDep, principal: Principal
     model, stream = body["model"], bool(body.get("stream"))
     session = request.headers.get("x-kvgate-session")
     if services.native_messages is not None and await speaks(services, model, "api", "anthropic"):
-        call = Call(request_id(request), principal, "messages", "/messages", model, body, stream=stream,
+        call = Call(request_id(request), principal, Route.MESSAGES, "/messages", model, body, stream=stream,
                     cache=controls, session=session)
-        return await services.native_messages.forward(call)
+        return render(await services.native_messages.forward(call))
     chat = with_prompt_cache_key(anthropic.to_chat_request(body), principal.tenant, session,
                                  derive=services.settings.derive_prompt_cache_key)
-    call = Call(request_id(request), principal, "messages", "/chat/completions", model, chat, stream=stream,
+    call = Call(request_id(request), principal, Route.MESSAGES, "/chat/completions", model, chat, stream=stream,
                 include_usage=True, cache=controls, session=session)
     response = await services.proxy.forward(call)
     if stream:
-        return translate_stream(response, anthropic.ChatToAnthropicStream(model), _stream_error)
-    return translate_json(response, lambda completion: anthropic.from_chat_completion(completion, model))
+        return render(translate_stream(response, anthropic.ChatToAnthropicStream(model), _stream_error))
+    return render(translate_json(response, lambda completion: anthropic.from_chat_completion(completion, model)))

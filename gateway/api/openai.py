@@ -9,11 +9,12 @@ from starlette.responses import Response
 
 from gateway.api.body import read_json, validate
 from gateway.api.deps import PrincipalDep, ServicesDep
+from gateway.api.render import render
 from gateway.api.responses import json_response
 from gateway.canonical.prompt_cache import with_prompt_cache_key
+from gateway.pipeline.call import Call, Route
 from gateway.pipeline.compaction import opted_in
 from gateway.pipeline.condense import read_condense
-from gateway.proxy import Call
 from gateway.responsecache.controls import read_controls
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.upstream.backend import JSONObject
@@ -40,12 +41,12 @@ async def chat_completions(request: Request, services: ServicesDep, principal: P
     body = with_prompt_cache_key(body, principal.tenant, request.headers.get("x-kvgate-session"),
                                  derive=services.settings.derive_prompt_cache_key)
     call = Call(
-        request_id(request), principal, "chat.completions", "/chat/completions", parsed.model, body,
+        request_id(request), principal, Route.CHAT, "/chat/completions", parsed.model, body,
         stream=parsed.stream, include_usage=include_usage, cache=controls,
         session=request.headers.get("x-kvgate-session"), condense=condense,
         compact=compact if compact is not None else principal.tenant in services.settings.compaction.tenants,
     )
-    return await services.proxy.forward(call)
+    return render(await services.proxy.forward(call))
 
 
 @router.post("/completions")
@@ -55,11 +56,11 @@ async def completions(request: Request, services: ServicesDep, principal: Princi
     parsed = validate(CompletionRequest, body)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     call = Call(
-        request_id(request), principal, "completions", "/completions", parsed.model, body,
+        request_id(request), principal, Route.COMPLETIONS, "/completions", parsed.model, body,
         stream=parsed.stream, include_usage=include_usage, cache=controls,
         session=request.headers.get("x-kvgate-session"),
     )
-    return await services.proxy.forward(call)
+    return render(await services.proxy.forward(call))
 
 
 @router.post("/embeddings")
@@ -67,11 +68,11 @@ async def embeddings(request: Request, services: ServicesDep, principal: Princip
     body = await read_json(request, services.settings.max_body_bytes)
     controls = read_controls(request.headers, body)
     parsed = validate(EmbeddingRequest, body)
-    call = Call(request_id(request), principal, "embeddings", "/embeddings", parsed.model, body, cache=controls)
+    call = Call(request_id(request), principal, Route.EMBEDDINGS, "/embeddings", parsed.model, body, cache=controls)
     if services.embedding_cache is not None:
-        return await services.embedding_cache.forward(call)
+        return render(await services.embedding_cache.forward(call))
     call.cache = None
-    return await services.proxy.forward(call)
+    return render(await services.proxy.forward(call))
 
 
 @router.get("/models")

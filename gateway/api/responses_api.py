@@ -14,10 +14,11 @@ from gateway.api.body import read_json
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.messages import speaks
 from gateway.api.openai import request_id
+from gateway.api.render import render
 from gateway.api.translate import translate_json, translate_stream
 from gateway.canonical.prompt_cache import with_prompt_cache_key
 from gateway.errors import InvalidField
-from gateway.proxy import Call
+from gateway.pipeline.call import Call, Route
 from gateway.responsecache.controls import read_controls
 from gateway.schemas import responses_api
 
@@ -33,22 +34,22 @@ async def responses(request: Request, services: ServicesDep, principal: Principa
     if not isinstance(model, str) or not model:
         raise InvalidField("model: required", param="model")
     if services.native_responses is not None and await speaks(services, model, "responses_api", True):
-        native = Call(request_id(request), principal, "responses", "/responses", model,
+        native = Call(request_id(request), principal, Route.RESPONSES, "/responses", model,
                       with_prompt_cache_key(body, principal.tenant, session,
                                             derive=services.settings.derive_prompt_cache_key),
                       stream=bool(body.get("stream")), cache=controls, session=session)
-        return await services.native_responses.forward(native)
+        return render(await services.native_responses.forward(native))
     chat = with_prompt_cache_key(responses_api.to_chat_request(body), principal.tenant, session,
                                  derive=services.settings.derive_prompt_cache_key)
     stream = bool(body.get("stream"))
-    call = Call(request_id(request), principal, "responses", "/chat/completions", model, chat, stream=stream,
+    call = Call(request_id(request), principal, Route.RESPONSES, "/chat/completions", model, chat, stream=stream,
                 include_usage=True, cache=controls, session=session)
     response = await services.proxy.forward(call)
     if stream:
         translator = responses_api.ChatToResponsesStream(body, model)
-        return translate_stream(response, translator, translator.error)
+        return render(translate_stream(response, translator, translator.error))
 
     def convert(completion: dict[str, Any]) -> dict[str, Any]:
         return responses_api.from_chat_completion(completion, body)
 
-    return translate_json(response, convert)
+    return render(translate_json(response, convert))

@@ -9,12 +9,9 @@ from typing import Any, Protocol
 
 import anyio
 import orjson
-from starlette.responses import Response, StreamingResponse
 
-from gateway.proxy import SSE_HEADERS, RelayResponse
+from gateway.pipeline.results import Answer, EventStream, Result
 from gateway.upstream.sse import DONE, SSESplitter, event_data
-
-DROPPED_HEADERS = {"content-length", "content-type"}
 
 
 class StreamTranslator(Protocol):
@@ -23,28 +20,23 @@ class StreamTranslator(Protocol):
     def finish(self) -> list[bytes]: ...
 
 
-def _headers(response: Response) -> dict[str, str]:
-    return {k: v for k, v in response.headers.items() if k.lower() not in DROPPED_HEADERS}
+def translate_json(result: Result, convert: Callable[[dict[str, Any]], dict[str, Any]]) -> Answer:
+    assert isinstance(result, Answer)
+    return Answer(orjson.dumps(convert(orjson.loads(result.body))), result.headers, result.status)
 
 
-def translate_json(response: Response, convert: Callable[[dict[str, Any]], dict[str, Any]]) -> Response:
-    answer = convert(orjson.loads(bytes(response.body)))
-    return Response(orjson.dumps(answer), status_code=response.status_code, media_type="application/json",
-                    headers=_headers(response))
-
-
-def translate_stream(response: Response, translator: StreamTranslator,
-                     on_error: Callable[[dict[str, Any]], bytes]) -> Response:
+def translate_stream(result: Result, translator: StreamTranslator,
+                     on_error: Callable[[dict[str, Any]], bytes]) -> EventStream:
     """`on_error(envelope)` renders the error event that ends a failed stream."""
-    assert isinstance(response, StreamingResponse)
-    source = response.body_iterator
+    assert isinstance(result, EventStream)
+    source = result.events
 
     async def events() -> AsyncIterator[bytes]:
         splitter = SSESplitter()
         try:
             async for chunk in source:
                 out: list[bytes] = []
-                for event in splitter.feed(chunk if isinstance(chunk, bytes) else str(chunk).encode()):
+                for event in splitter.feed(chunk):
                     data = event_data(event)
                     if data is None:
                         continue
@@ -66,7 +58,4 @@ def translate_stream(response: Response, translator: StreamTranslator,
                 if aclose is not None:
                     await aclose()
 
-    headers = {**_headers(response), **SSE_HEADERS}
-    if isinstance(response, RelayResponse):
-        return RelayResponse(events(), response._finish, media_type="text/event-stream", headers=headers)
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    return EventStream(events(), result.headers, result.finish)

@@ -13,10 +13,11 @@ import time
 from typing import Any
 
 import orjson
-from starlette.responses import Response
 
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
-from gateway.proxy import Call, Proxy
+from gateway.pipeline.call import Call
+from gateway.pipeline.proxy import Proxy
+from gateway.pipeline.results import Answer
 from gateway.responsecache.cache import HIT_EXACT, MISS, Lookup, ResponseCache
 from gateway.upstream.backend import JSONObject
 
@@ -39,7 +40,7 @@ class EmbeddingCache:
         self._proxy = proxy
         self._log = request_log
 
-    async def forward(self, call: Call) -> Response:
+    async def forward(self, call: Call) -> Answer:
         assert call.cache is not None
         started = time.perf_counter()
         inputs = split_inputs(call.body.get("input"))
@@ -58,7 +59,8 @@ class EmbeddingCache:
             upstream_call = Call(call.request_id, call.principal, call.route, call.path, call.model,
                                  {**call.body, "input": [inputs[i] for i in missing]})
             response = await self._proxy.forward(upstream_call)
-            answer: JSONObject = orjson.loads(bytes(response.body))
+            assert isinstance(response, Answer)  # embeddings never stream
+            answer: JSONObject = orjson.loads(response.body)
             data = sorted(answer.get("data") or [], key=lambda d: d.get("index", 0))
             if len(data) != len(missing):
                 # The upstream answered some other number of vectors: pass that on unchanged and
@@ -84,4 +86,4 @@ class EmbeddingCache:
         body = {"object": "list", "model": model, "usage": usage,
                 "data": [{"object": "embedding", "index": i, "embedding": vectors[i]} for i in range(len(inputs))],
                 "kvgate": {"cached_inputs": cached, "inputs": len(inputs)}}
-        return Response(orjson.dumps(body), media_type="application/json", headers=headers)
+        return Answer(orjson.dumps(body), headers)

@@ -17,12 +17,12 @@ from typing import Any, Protocol
 
 import anyio
 import orjson
-from starlette.responses import Response, StreamingResponse
 
 from gateway.errors import GatewayError, UpstreamError, UpstreamProtocolError
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
+from gateway.pipeline.call import Call
+from gateway.pipeline.results import Answer, EventStream, Result, iterate
 from gateway.pipeline.singleflight import Flight, SingleFlight
-from gateway.proxy import SSE_HEADERS, Call, RelayResponse
 from gateway.responsecache.cache import HIT_INFLIGHT, KINDS, Lookup, ResponseCache
 from gateway.responsecache.replay import kvgate_info
 from gateway.schemas import anthropic, responses_api
@@ -93,7 +93,7 @@ class NativeRoute:
         self._cache = cache
         self._flights = flights
 
-    async def forward(self, call: Call) -> Response:
+    async def forward(self, call: Call) -> Result:
         run = _Run(time.perf_counter())
         lookup: Lookup | None = None
         if self._cache is not None and call.cache is not None:
@@ -136,7 +136,7 @@ class NativeRoute:
         self._keep(lookup, flight, result.body)
         if lookup is not None:
             headers.update(lookup.headers)
-        return Response(result.raw, media_type="application/json", headers=headers)
+        return Answer(result.raw, headers)
 
     def _keep(self, lookup: Lookup | None, flight: Flight | None, message: dict[str, Any] | None) -> None:
         """Store a complete answer; hand any finished one (a cut-off one too) to the followers."""
@@ -150,7 +150,7 @@ class NativeRoute:
                 self._flights.fail(flight, UpstreamError(
                     "the identical request this one waited for ended before its answer was complete"))
 
-    def _replay(self, call: Call, run: _Run, lookup: Lookup) -> Response:
+    def _replay(self, call: Call, run: _Run, lookup: Lookup) -> Result:
         assert lookup.answer is not None
         dialect = self._dialect
         message = {**lookup.answer, "id": dialect.new_id(), "usage": dialect.hit_usage(lookup.answer.get("usage")),
@@ -159,16 +159,10 @@ class NativeRoute:
         self._record(call, run, None, lookup.status)
         headers = {**lookup.headers, "x-request-id": call.request_id}
         if call.stream:
-            events = list(dialect.events(message))
+            return EventStream(iterate(list(dialect.events(message))), headers)
+        return Answer(orjson.dumps(message), headers)
 
-            async def replay() -> AsyncIterator[bytes]:
-                for one in events:
-                    yield one
-
-            return StreamingResponse(replay(), media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
-        return Response(orjson.dumps(message), media_type="application/json", headers=headers)
-
-    async def _stream(self, call: Call, run: _Run, lookup: Lookup | None, flight: Flight | None) -> Response:
+    async def _stream(self, call: Call, run: _Run, lookup: Lookup | None, flight: Flight | None) -> EventStream:
         stream, route = await self._router.call(call.model, lambda b: b.post_stream(self._dialect.path, call.body))
         assembler = self._dialect.assembler()
         finished = False
@@ -199,9 +193,9 @@ class NativeRoute:
                 with anyio.CancelScope(shield=True):
                     await finish()
 
-        headers = {**SSE_HEADERS, "x-request-id": call.request_id, "x-kvgate-usage-source": "upstream",
+        headers = {"x-request-id": call.request_id, "x-kvgate-usage-source": "upstream",
                    **(lookup.headers if lookup else {})}
-        return RelayResponse(events(), finish, media_type="text/event-stream", headers=headers)
+        return EventStream(events(), headers, finish)
 
     def _record(self, call: Call, run: _Run, upstream: str | None, cache: str | None) -> None:
         usage = self._dialect.chat_usage(run.usage) if run.usage else {}

@@ -1,7 +1,7 @@
 """`ResponseCache`: the one object the proxy asks before going upstream and tells afterwards.
 
     lookup(tenant, body, controls) -> Lookup     exact hit? semantic hit? (never raises)
-    replay(lookup, ...)            -> Response   a hit as JSON or SSE
+    replay(lookup, ...)            -> bytes      a hit as a JSON body or SSE events (no HTTP)
     store_later(lookup, completion)              a complete answer, written off the request path
     purge(scope)                                 admin
 
@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-from starlette.responses import Response, StreamingResponse
 from tqdm import tqdm
 
 from gateway.persistence.database import describe_db_error
@@ -310,16 +309,14 @@ class ResponseCache:
         self._hits[entry_id] += 1
         return True
 
-    def replay(self, lookup: Lookup, *, stream: bool, include_usage: bool, request_id: str) -> Response:
+    def replay(self, lookup: Lookup, *, stream: bool, include_usage: bool) -> bytes | list[bytes]:
+        """A hit as the upstream would have answered it: the JSON body, or (stream) its SSE
+        events. Domain bytes only: the caller adds `lookup.headers` and renders."""
         assert lookup.answer is not None
         kind = KINDS.get(lookup.status, "exact")
-        headers = {**lookup.headers, "x-request-id": request_id}
         if stream:
-            events = replay_sse(lookup.answer, kind, lookup.similarity, include_usage=include_usage)
-            headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
-            return StreamingResponse(_iterate(list(events)), media_type="text/event-stream", headers=headers)
-        body = orjson.dumps(replay_json(lookup.answer, kind, lookup.similarity))
-        return Response(body, media_type="application/json", headers=headers)
+            return list(replay_sse(lookup.answer, kind, lookup.similarity, include_usage=include_usage))
+        return orjson.dumps(replay_json(lookup.answer, kind, lookup.similarity))
 
     def store_later(self, lookup: Lookup, completion: dict[str, Any] | None,
                     complete: bool | None = None) -> asyncio.Future[None] | None:
@@ -442,11 +439,6 @@ class ResponseCache:
         self._forget(scope)
         await self._feed.announce()
         return deleted
-
-
-async def _iterate(events: list[bytes]) -> Any:
-    for event in events:
-        yield event
 
 
 async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) -> ResponseCache | None:

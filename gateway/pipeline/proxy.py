@@ -1,0 +1,176 @@
+"""The path of one generation or embedding request after the HTTP edge, as domain steps:
+
+    prepare -> cache lookup -> (hit: replay) -> single-flight -> condense (opt-in)
+            -> route + forward (stream: pipeline/stream.py) -> account usage -> store / log
+
+`Proxy.forward` returns a domain result (pipeline/results.py); the edge renders it. Backends never
+see the client, and nothing here knows Starlette.
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from gateway.canonical.prepare import Prepared, Preparer
+from gateway.errors import GatewayError, UpstreamError
+from gateway.persistence.request_log import RequestLogWriter
+from gateway.pipeline.call import Call, Route, compaction_field, compaction_headers, tenant_salt
+from gateway.pipeline.compaction import (
+    HOW_TO_OPT_IN,
+    Compaction,
+    CompactionSettings,
+    compaction_request,
+    continued_request,
+    is_context_overflow,
+    summary_text,
+)
+from gateway.pipeline.condense import CondenseStep, annotate_usage, condense_headers
+from gateway.pipeline.record import request_row
+from gateway.pipeline.results import Answer, EventStream, Result, iterate
+from gateway.pipeline.singleflight import Flight, SingleFlight
+from gateway.pipeline.stream import StreamRun
+from gateway.responsecache.cache import HIT_INFLIGHT, Lookup, ResponseCache
+from gateway.upstream.backend import JSONObject, UpstreamJSON
+from gateway.upstream.router import Route as Routed
+from gateway.upstream.router import Router
+from gateway.usage.accounting import Accountant
+
+__all__ = ["Call", "Proxy", "tenant_salt"]
+
+
+class Proxy:
+    def __init__(self, router: Router, request_log: RequestLogWriter,
+                 response_cache: ResponseCache | None = None, preparer: Preparer | None = None,
+                 accountant: Accountant | None = None, compaction: CompactionSettings | None = None,
+                 condense: CondenseStep | None = None, flights: SingleFlight | None = None) -> None:
+        self.router = router
+        self.flights = flights or SingleFlight()
+        self.log = request_log
+        self.cache = response_cache
+        self.accountant = accountant or Accountant({})
+        self._compaction = compaction or CompactionSettings()
+        self._preparer = preparer
+        self._condense = condense
+
+    async def forward(self, call: Call) -> Result:
+        started = time.perf_counter()
+        prepared = self._prepare(call)
+        lookup: Lookup | None = None
+        if self.cache is not None and call.cache is not None:
+            lookup = await self.cache.lookup(call.principal.tenant, call.body, call.cache)
+            if lookup.answer is not None:
+                return self._hit(call, started, prepared, lookup)
+        flight: Flight | None = None
+        if lookup is not None and self.cache is not None and lookup.controls.read:
+            flight, leads = self.flights.join(lookup.key)
+            if not leads:
+                return await self._follow(call, started, prepared, lookup, flight)
+        try:
+            # After the cache lookup (keyed by what the client sent), before the upstream reads it.
+            if call.condense is not None and self._condense is not None:
+                call.body, call.condensed = await self._condense.apply(call.body, call.condense)
+            if call.stream:
+                return await StreamRun(self, call, started, lookup, flight).open(prepared)
+            result, route = await self.router.call(
+                call.model, lambda b: b.post_json(call.path, call.body, salt=tenant_salt(call.principal.tenant)),
+                blocks=prepared.blocks,
+            )
+            self.router.release(route)
+        except GatewayError as exc:
+            return await self._failed(call, started, prepared, exc, lookup, flight)
+        except BaseException:
+            if flight is not None:
+                self.flights.fail(flight, UpstreamError("the identical request this one waited for was cancelled"))
+            raise
+        return self._answered(call, started, prepared, lookup, flight, result, route)
+
+    def _prepare(self, call: Call) -> Prepared:
+        """Canonical body and prefix-break diagnostics (chat and completions); prefix blocks later,
+        when the router needs them."""
+        if self._preparer is None or call.route == Route.EMBEDDINGS:
+            return Prepared(call.body)
+        prepared = self._preparer.prepare(call.principal.tenant, call.body, chat=call.path == "/chat/completions",
+                                          session=call.session)
+        call.body = prepared.body
+        return prepared
+
+    def _hit(self, call: Call, started: float, prepared: Prepared, lookup: Lookup) -> Result:
+        """A cache hit (or an identical request's answer), replayed as the upstream would answer."""
+        assert self.cache is not None
+        self.log.record(request_row(call, started, status=200, usage=lookup.hit_usage, ttfb_s=time.perf_counter(),
+                                    cache=lookup.status))
+        replayed = self.cache.replay(lookup, stream=call.stream, include_usage=call.include_usage)
+        headers = {**lookup.headers, "x-request-id": call.request_id, **prepared.headers}
+        if isinstance(replayed, list):
+            return EventStream(iterate(replayed), headers)
+        return Answer(replayed, headers)
+
+    async def _follow(self, call: Call, started: float, prepared: Prepared, lookup: Lookup,
+                      flight: Flight) -> Result:
+        """Answer from the leader of an identical request in flight, as a cache hit would be."""
+        try:
+            answer = await self.flights.wait(flight)
+        except GatewayError as exc:
+            self.log.record(request_row(call, started, status=exc.status_code, error=exc, cache=HIT_INFLIGHT))
+            raise
+        if answer is None:  # the leader turned into another request (compaction): go on our own
+            return await self.forward(call)
+        lookup.answer, lookup.status = answer, HIT_INFLIGHT
+        return self._hit(call, started, prepared, lookup)
+
+    async def _failed(self, call: Call, started: float, prepared: Prepared, exc: GatewayError,
+                      lookup: Lookup | None, flight: Flight | None) -> Result:
+        """An upstream error: compact and retry when the client opted in, else log and raise."""
+        if is_context_overflow(exc) and call.route == Route.CHAT:
+            if call.compact and (request := compaction_request(call.body, self._compaction)) is not None:
+                if flight is not None:
+                    self.flights.abandon(flight)  # the compacted request is another request
+                return await self._compact_and_forward(call, request, prepared)
+            exc.message += HOW_TO_OPT_IN
+        self.log.record(request_row(call, started, status=exc.status_code, error=exc,
+                                    cache=lookup.status if lookup else None))
+        if flight is not None:
+            self.flights.fail(flight, exc)
+        raise exc
+
+    def _answered(self, call: Call, started: float, prepared: Prepared, lookup: Lookup | None,
+                  flight: Flight | None, result: UpstreamJSON, route: Routed) -> Answer:
+        """The upstream's JSON answer: usage accounted, logged, stored, handed to the waiters."""
+        ttfb = time.perf_counter()
+        headers = {"x-request-id": call.request_id, **prepared.headers, **compaction_headers(call),
+                   **condense_headers(call.condensed)}
+        raw = result.raw
+        usage = result.body.get("usage")
+        if call.route != Route.EMBEDDINGS and isinstance(usage, dict):
+            usage, accounted = self.accountant.finish(route.backend.name, call.model, usage, route.matched_tokens)
+            usage = annotate_usage(usage, call.condensed)
+            raw = orjson.dumps({**result.body, "usage": usage,
+                                "kvgate": {"usage_source": accounted.source, **compaction_field(call)}})
+            headers["x-kvgate-usage-source"] = accounted.source
+        self.log.record(request_row(call, started, status=200, upstream=route.backend.name, usage=usage, ttfb_s=ttfb,
+                                    cache=lookup.status if lookup else None))
+        stored = None
+        if lookup is not None and self.cache is not None:
+            stored = self.cache.store_later(lookup, result.body)
+            headers.update(lookup.headers)
+        if flight is not None:
+            self.flights.resolve(flight, result.body, linger=stored)
+        return Answer(raw, headers)
+
+    async def _compact_and_forward(self, call: Call, request: JSONObject, prepared: Prepared) -> Result:
+        """Summarise the conversation behind the same prefix, then forward it continued from the
+        summary (pipeline/compaction.py says why this keeps the upstream's prefix cache)."""
+        result, route = await self.router.call(
+            call.model, lambda b: b.post_json(call.path, request, salt=tenant_salt(call.principal.tenant)),
+            blocks=prepared.blocks,
+        )
+        self.router.release(route)
+        usage, _ = self.accountant.finish(route.backend.name, call.model, result.body.get("usage"),
+                                          route.matched_tokens)
+        summary = summary_text(result.body)
+        body, replaced = continued_request(call.body, summary)
+        call.body, call.compact = body, False
+        call.compaction = Compaction(summary=summary, replaced_messages=replaced, usage=usage)
+        return await self.forward(call)

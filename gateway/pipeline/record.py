@@ -1,0 +1,41 @@
+"""The request-log row of one finished request, built in one place from chat-shaped usage."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.errors import GatewayError
+from gateway.persistence.request_log import RequestRecord
+from gateway.pipeline.call import Call
+from gateway.pipeline.condense import condensed_from
+
+
+def request_row(call: Call, started: float, *, status: int, upstream: str | None = None,
+                usage: dict[str, Any] | None = None, ttfb_s: float | None = None,
+                error: GatewayError | None = None, cache: str | None = None) -> RequestRecord:
+    usage = usage if isinstance(usage, dict) else {}
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return RequestRecord(
+        request_id=call.request_id,
+        tenant=call.principal.tenant,
+        route=call.route,
+        model=call.model,
+        upstream=upstream,
+        status=status,
+        stream=call.stream,
+        prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+        completion_tokens=_int_or_none(usage.get("completion_tokens")),
+        cached_tokens=_int_or_none(cached),
+        ttfb_ms=(ttfb_s - started) * 1000 if ttfb_s else None,
+        total_ms=(time.perf_counter() - started) * 1000,
+        error_type=(error.code or error.error_type) if error else None,
+        cache=cache,
+        cache_creation_tokens=_int_or_none(usage.get("cache_creation_input_tokens")),
+        condensed_from_tokens=condensed_from(usage),
+    )
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
