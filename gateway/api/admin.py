@@ -56,7 +56,8 @@ async def delete_entry(request: Request, services: ServicesDep, _: AdminDep) -> 
     body = await read_json(request, services.settings.max_body_bytes)
     entry_id, key = body.get("id"), body.get("key")
     if isinstance(entry_id, int) and not isinstance(entry_id, bool) and key is None:
-        return json_response({"deleted": await cache.delete(entry_id=entry_id), "id": entry_id})
+        deleted = await cache.delete(entry_id=entry_id) if 0 < entry_id < 2**63 else 0
+        return json_response({"deleted": deleted, "id": entry_id})
     if isinstance(key, str) and key and entry_id is None:
         return json_response({"deleted": await cache.delete(key=key), "key": key})
     raise InvalidField("give an integer id or a key string (one of them)")
@@ -64,7 +65,8 @@ async def delete_entry(request: Request, services: ServicesDep, _: AdminDep) -> 
 
 @router.delete("/response-cache/entries/{entry_id}")
 async def delete_by_id(entry_id: int, services: ServicesDep, _: AdminDep) -> Response:
-    deleted = await _cache(services).delete(entry_id=entry_id)
+    # Ids are SQL BIGINTs: a larger number names no entry (and the database would reject it with a 500).
+    deleted = await _cache(services).delete(entry_id=entry_id) if 0 < entry_id < 2**63 else 0
     if not deleted:
         raise NotFound(f"no cache entry {entry_id}")
     return json_response({"deleted": deleted, "id": entry_id})
