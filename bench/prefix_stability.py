@@ -168,7 +168,7 @@ def main(argv: list[str]) -> int:
 def engine_rows(args: argparse.Namespace, off: CanonicalSettings, on: CanonicalSettings) -> list[dict[str, Any]]:
     """The same session against `kvgate engine` (its own KV cache reports the cached tokens). Its
     model's chat template has no tools, so only the system prompt's stability shows here."""
-    from gateway.engine.app import create_engine_app
+    from gateway.api.engine_app import create_engine_app
     from gateway.kvcache.settings import KVCacheSettings
 
     system, tool_list = system_prompt(args.engine_system_tokens), tools(2)

@@ -47,9 +47,10 @@ async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
         # Imported here: torch and transformers cost seconds to import, and a gateway that only
         # fronts remote upstreams never needs them.
         from gateway.engine.service import build_engine
+        from gateway.upstream.engine import EngineBackend
 
         engine = await asyncio.to_thread(build_engine, settings.engine, settings.kvcache)
-        backends.append(engine.backend)
+        backends.append(EngineBackend(engine.worker, settings.engine))
         backends.append(await build_embedding_backend())
     router = Router(backends, settings.routing)
     for upstream, backend in zip(settings.upstreams, backends, strict=False):
@@ -61,8 +62,8 @@ async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
 async def build_embedding_backend() -> Backend:
     """`/v1/embeddings` on the embedded default, by the embedding model the semantic cache loads
     anyway (one copy per process)."""
-    from gateway.engine.embeddings import EmbeddingBackend
     from gateway.responsecache.embedder import Embedder, load_model
+    from gateway.upstream.embeddings import EmbeddingBackend
 
     model = await asyncio.to_thread(load_model)  # the process's one copy (its threads are fixed at first load)
     return EmbeddingBackend(model, Embedder(model))

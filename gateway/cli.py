@@ -75,7 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_engine(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gateway.engine.app import create_engine_app
+    from gateway.api.engine_app import create_engine_app
 
     settings = _settings(args)
     host = args.host or "127.0.0.1"

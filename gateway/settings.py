@@ -19,13 +19,12 @@ from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
 from gateway.pipeline.compaction import CompactionSettings
 from gateway.pipeline.settings import CondenseSettings
+from gateway.responsecache.embedder import MODEL_ID
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.upstream.settings import RoutingSettings, UpstreamSettings, parse_upstream_flag, with_upstream
 from gateway.usage.settings import Price, UsageSettings
 
-# The model id of the embedded default's `/v1/embeddings` (gateway/engine/embeddings.py imports it
-# from here: that module imports torch, this one must not).
-LOCAL_EMBEDDING_MODEL_ID = "multilingual-e5-small"
+LOCAL_EMBEDDING_MODEL_ID = MODEL_ID
 __all__ = ["LOCAL_EMBEDDING_MODEL_ID", "Settings", "UpstreamSettings", "parse_upstream_flag"]
 
 

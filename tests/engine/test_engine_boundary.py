@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from gateway.engine.backend import COMPLETIONS, EngineBackend
 from gateway.engine.runner import ModelRunner
 from gateway.engine.scheduler import BatchScheduler, EngineWorker
 from gateway.engine.settings import EngineSettings
 from gateway.errors import EngineError
+from gateway.upstream.engine import COMPLETIONS, EngineBackend
 from gateway.upstream.relay import StreamOutcome, relay_stream
 
 BODY = {"model": "smollm2-135m-instruct", "prompt": "The capital of France is", "max_tokens": 4}

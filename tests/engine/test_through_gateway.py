@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from gateway.engine.app import create_engine_app
+from gateway.api.engine_app import create_engine_app
 from gateway.settings import Settings, UpstreamSettings
 from tests.conftest import Gateway, new_key, start_gateway
 from tests.servers import serve_in_thread

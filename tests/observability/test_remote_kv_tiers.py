@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from gateway.engine.app import create_engine_app
+from gateway.api.engine_app import create_engine_app
 from gateway.settings import Settings, UpstreamSettings
 from tests.conftest import start_gateway
 from tests.servers import serve_in_thread

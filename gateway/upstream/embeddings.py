@@ -15,7 +15,7 @@ import orjson
 
 from gateway.errors import InvalidRequest
 from gateway.responsecache.embedder import DIMENSIONS, Embedder, token_count
-from gateway.settings import LOCAL_EMBEDDING_MODEL_ID
+from gateway.responsecache.embedder import MODEL_ID as LOCAL_EMBEDDING_MODEL_ID
 from gateway.upstream.backend import JSONObject, UpstreamJSON, UpstreamStream
 
 EMBEDDING_MODEL_ID = LOCAL_EMBEDDING_MODEL_ID
