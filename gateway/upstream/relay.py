@@ -58,34 +58,19 @@ async def relay_stream(
                     yield b"".join(out)
                     return
                 try:
-                    payload = orjson.loads(data)
-                except orjson.JSONDecodeError as exc:
-                    if out:
+                    payload = _payload(data)
+                except UpstreamProtocolError:
+                    if out:  # what arrived before the bad event still reaches the client
                         yield b"".join(out)
-                    raise UpstreamProtocolError("upstream sent an SSE event that is not JSON") from exc
-                if not isinstance(payload, dict):
-                    if out:
-                        yield b"".join(out)
-                    raise UpstreamProtocolError("upstream sent an SSE event that is not a JSON object")
-                if not _well_formed(payload):
-                    if out:
-                        yield b"".join(out)
-                    raise UpstreamProtocolError("upstream sent a chunk whose choices or usage are malformed")
+                    raise
                 if "error" in payload:
                     outcome.error = UpstreamProtocolError(str(payload["error"]))
                     out.append(event)
                     yield b"".join(out)
                     return
-                if outcome.chunks is not None:
-                    outcome.chunks.append(payload)
-                if _is_usage_only(payload, outcome):
-                    if drop_usage_chunk:
-                        continue
-                    if rewrite_usage_chunk is not None:
-                        event = encode_event(rewrite_usage_chunk(payload))
-                if outcome.first_byte_s is None:
-                    outcome.first_byte_s = time.perf_counter()
-                out.append(event)
+                relayed = _relayed(event, payload, outcome, drop_usage_chunk, rewrite_usage_chunk)
+                if relayed is not None:
+                    out.append(relayed)
             if out:
                 yield b"".join(out)
         raise UpstreamProtocolError("upstream closed the stream before it was complete")
@@ -102,6 +87,34 @@ async def relay_stream(
         # connection must still be closed so the upstream stops generating.
         with anyio.CancelScope(shield=True):
             await stream.aclose()
+
+
+def _payload(data: bytes) -> dict[str, Any]:
+    """One event's JSON object, or UpstreamProtocolError saying what is wrong with it."""
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamProtocolError("upstream sent an SSE event that is not JSON") from exc
+    if not isinstance(payload, dict):
+        raise UpstreamProtocolError("upstream sent an SSE event that is not a JSON object")
+    if not _well_formed(payload):
+        raise UpstreamProtocolError("upstream sent a chunk whose choices or usage are malformed")
+    return payload
+
+
+def _relayed(event: bytes, payload: dict[str, Any], outcome: StreamOutcome, drop_usage_chunk: bool,
+             rewrite_usage_chunk: Callable[[dict[str, Any]], dict[str, Any]] | None) -> bytes | None:
+    """The event as the client gets it (None: dropped), tee'd into the outcome."""
+    if outcome.chunks is not None:
+        outcome.chunks.append(payload)
+    if _is_usage_only(payload, outcome):
+        if drop_usage_chunk:
+            return None
+        if rewrite_usage_chunk is not None:
+            event = encode_event(rewrite_usage_chunk(payload))
+    if outcome.first_byte_s is None:
+        outcome.first_byte_s = time.perf_counter()
+    return event
 
 
 def _well_formed(payload: dict[str, Any]) -> bool:
