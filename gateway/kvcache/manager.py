@@ -13,6 +13,10 @@ most recently used and is evicted last; evicting a head would orphan every block
 Write-through stores every new block in every tier; write-back stores it in the top tier and
 moves it one tier down when it is evicted there. Pinned blocks are never evicted; if a tier cannot
 make room because everything is pinned, the new block is simply not kept in that tier.
+
+Longer than 300 lines on purpose: lookup, load, store, eviction and demotion all hold the one
+lock over the same indexes and pins; split across modules, that locking discipline could no
+longer be checked by reading one file.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ batches, so the store path holds at most one database connection however many re
 once, and never starves requests of the pool (200 concurrent streams once exhausted a 30-connection
 pool and lost thousands of answers). Only answers that validate against the wire schema are
 queued (`validate.is_storable`).
+
+Longer than 300 lines on purpose: lookup, store, the writer queue, purge and the change feed's
+updates all read and write the same in-memory directory, answer LRU and FAISS index; the pieces
+with no shared state already live beside it (exact.py, semantic.py, store.py, replay.py, feed.py).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Requests are translated for OpenAI-style upstreams and the built-in engine; Anth
 upstreams get the client's body unchanged. `cache_control` on system and content blocks is kept
 on the translated content parts too (OpenAI-compatible providers that cache by breakpoint read it
 there; others ignore it).
+
+Longer than 300 lines on purpose: one wire format, both directions (request in, answer and
+stream events out), read in one place; the two halves change together whenever the format does.
 """
 
 from __future__ import annotations

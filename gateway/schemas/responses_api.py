@@ -4,6 +4,9 @@ upstreams that do not speak `/v1/responses` themselves (the built-in engine incl
 Stateless only: `previous_response_id` needs the conversation stored server-side, which a
 translating gateway does not keep; such a request is refused with a clear error (an upstream
 that speaks the Responses API gets it unchanged).
+
+Longer than 300 lines on purpose: one wire format, both directions (request in, answer and
+stream events out), read in one place; the two halves change together whenever the format does.
 """
 
 from __future__ import annotations
