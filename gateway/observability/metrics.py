@@ -36,6 +36,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
+from gateway.responsecache.status import HIT_KINDS, CacheStatus
+
 if TYPE_CHECKING:
     from gateway.engine.service import Engine
     from gateway.kvcache.manager import KVCacheManager
@@ -49,7 +51,6 @@ PriceFor = Callable[[str | None], Price | None]  # None: the model is not priced
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_KINDS = ("prompt", "cached", "cache_creation", "completion")
 # hit-inflight: answered from an identical request's upstream call (single-flight); it saved a call too.
-HIT_KINDS = {"hit-exact": "exact", "hit-semantic": "semantic", "hit-inflight": "inflight"}
 
 
 def multiprocess_dir() -> str | None:
@@ -123,11 +124,11 @@ class Metrics:
             self._observe_tokens(record, cache)
 
     def _observe_cache(self, cache: str) -> None:
-        if cache in HIT_KINDS or cache == "miss":
+        if cache in HIT_KINDS or cache == CacheStatus.MISS:
             self.cache_lookups.labels(cache).inc()
         if cache in HIT_KINDS:
             self.cache_hits.labels(HIT_KINDS[cache]).inc()
-        elif cache == "bypass":
+        elif cache == CacheStatus.BYPASS:
             self.cache_bypass.inc()
 
     def _observe_tokens(self, record: RequestRecord, cache: str) -> None:

@@ -20,8 +20,9 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from gateway.observability.metrics import PriceFor
 from gateway.observability.settings import ObservabilitySettings
 from gateway.persistence.models import RequestLog
+from gateway.responsecache.status import CacheStatus
 
-HITS = ("hit-exact", "hit-semantic")
+HITS = (CacheStatus.HIT_EXACT, CacheStatus.HIT_SEMANTIC)
 NUM_BUCKETS = 60
 
 
@@ -114,9 +115,9 @@ def _ratio(part: float, whole: float) -> float | None:
 def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
     """Totals of one group of rows (the whole window, a tenant, a model)."""
     ok = [r for r in rows if r.ok]
-    lookups = [r for r in rows if r.cache in (*HITS, "miss")]
-    exact = sum(1 for r in lookups if r.cache == "hit-exact")
-    semantic = sum(1 for r in lookups if r.cache == "hit-semantic")
+    lookups = [r for r in rows if r.cache in (*HITS, CacheStatus.MISS)]
+    exact = sum(1 for r in lookups if r.cache == CacheStatus.HIT_EXACT)
+    semantic = sum(1 for r in lookups if r.cache == CacheStatus.HIT_SEMANTIC)
     upstream = [r for r in ok if not r.hit]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in upstream)
@@ -174,15 +175,15 @@ def _series(rows: list[Row], since: datetime, now: datetime) -> dict[str, Any]:
         buckets[min(max(i, 0), NUM_BUCKETS - 1)].append(r)
     points = []
     for i, group in enumerate(buckets):
-        lookups = [r for r in group if r.cache in (*HITS, "miss")]
+        lookups = [r for r in group if r.cache in (*HITS, CacheStatus.MISS)]
         upstream = [r for r in group if r.ok and not r.hit]
         cached = sum(r.cached_tokens for r in upstream)
         creation = sum(r.cache_creation_tokens for r in upstream)
         points.append({
             "t": (since + timedelta(seconds=i * step_s)).isoformat(),
             "rps": len(group) / step_s,
-            "exact_hit_rate": _ratio(sum(1 for r in lookups if r.cache == "hit-exact"), len(lookups)),
-            "semantic_hit_rate": _ratio(sum(1 for r in lookups if r.cache == "hit-semantic"), len(lookups)),
+            "exact_hit_rate": _ratio(sum(1 for r in lookups if r.cache == CacheStatus.HIT_EXACT), len(lookups)),
+            "semantic_hit_rate": _ratio(sum(1 for r in lookups if r.cache == CacheStatus.HIT_SEMANTIC), len(lookups)),
             "prefix_hit_rate": _ratio(cached, sum(r.prompt_tokens for r in upstream)),
             "cache_efficiency": _ratio(cached, cached + creation),
         })

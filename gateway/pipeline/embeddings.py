@@ -19,10 +19,11 @@ from gateway.pipeline.call import Call
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.results import Answer
 from gateway.responsecache.cache import HIT_EXACT, MISS, Lookup, ResponseCache
+from gateway.responsecache.status import CacheStatus
 from gateway.upstream.backend import JSONObject
 
 KEYED = ("model", "dimensions", "encoding_format")
-HIT_PARTIAL = "hit-partial"
+HIT_PARTIAL = CacheStatus.HIT_PARTIAL
 
 
 def split_inputs(value: Any) -> list[Any]:
@@ -74,7 +75,7 @@ class EmbeddingCache:
             model = answer.get("model") or model
             headers.update({k: v for k, v in response.headers.items() if k.startswith("x-kvgate-usage")})
         cached = len(inputs) - len(missing)
-        status = HIT_EXACT if not missing else (HIT_PARTIAL if cached else MISS)
+        status: str = HIT_EXACT if not missing else (HIT_PARTIAL if cached else MISS)
         if not call.cache.read:
             status = lookups[0].status if lookups else MISS
         headers["x-kvgate-cache"] = status

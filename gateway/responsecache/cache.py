@@ -51,15 +51,15 @@ from gateway.responsecache.language import language_of
 from gateway.responsecache.replay import hit_usage, is_complete, replay_json, replay_sse
 from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts
 from gateway.responsecache.settings import ResponseCacheSettings
+from gateway.responsecache.status import HIT_KINDS, CacheStatus
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter
 from gateway.responsecache.validate import is_storable
 from gateway.responsecache.verifier import Verifier
 
 log = logging.getLogger(__name__)
-HIT_EXACT, HIT_SEMANTIC, MISS, BYPASS = "hit-exact", "hit-semantic", "miss", "bypass"
-# Answered from an identical request's upstream call that was in flight (single-flight).
-HIT_INFLIGHT = "hit-inflight"
-KINDS = {HIT_EXACT: "exact", HIT_SEMANTIC: "semantic", HIT_INFLIGHT: "inflight"}
+HIT_EXACT, HIT_SEMANTIC, HIT_INFLIGHT = CacheStatus.HIT_EXACT, CacheStatus.HIT_SEMANTIC, CacheStatus.HIT_INFLIGHT
+MISS, BYPASS = CacheStatus.MISS, CacheStatus.BYPASS
+KINDS = HIT_KINDS
 # Why a request that could have had a semantic lookup got the exact cache only (response header
 # `x-kvgate-semantic-skipped`); requests that opt out themselves (`x-kvgate-semantic: off`) get none.
 SKIP_SAMPLING, SKIP_TRIVIAL, SKIP_TOO_LONG, SKIP_LANGUAGE = "sampling", "trivial", "too-long", "language-not-validated"
