@@ -143,12 +143,14 @@ def test_prometheus_scrapes_gateway_and_engines(stack: Stack) -> None:
     start = time.monotonic()
     targets = eventually(lambda: len(stack.prometheus('up{job=~"kvgate-.*"} == 1')) == 3 and 3, 90,
                          "prometheus sees the gateway and both engines up")
-    requests = eventually(lambda: stack.prometheus('sum(kvgate_requests_total{route="/v1/chat/completions"})'),
-                          60, "kvgate_requests_total scraped")
-    lookups = eventually(lambda: stack.prometheus("kvgate_kv_lookups_total"), 60, "engine KV metrics scraped")
-    stack.log("prometheus", time.monotonic() - start, f"({targets} targets up, "
-              f"{requests[0]['value'][1]} chat requests, KV lookups on {len(lookups)} engines)")
-    assert float(requests[0]["value"][1]) >= 3 and len(lookups) == 2
+    # The first test made five chat requests on this replica: a miss, two hits, two bypassing turns.
+    requests = eventually(lambda: {r["metric"].get("cache", ""): float(r["value"][1]) for r in
+                                   stack.prometheus("sum by (cache) (kvgate_requests_total)")}, 60,
+                          "kvgate_requests_total scraped")
+    lookups = eventually(lambda: stack.prometheus("kvgate_kv_lookups_total > 0"), 60, "engine KV metrics scraped")
+    stack.log("prometheus", time.monotonic() - start, f"({targets} targets up, requests by cache {requests}, "
+              f"KV lookups on {len(lookups)} engines)")
+    assert sum(requests.values()) >= 5 and len(lookups) == 2
 
 
 def test_scale_gateway_to_three_replicas(stack: Stack) -> None:
@@ -198,12 +200,12 @@ def test_engine_killed_mid_stream_then_recovery(stack: Stack) -> None:
 
     # The killed engine comes back (compose starts it again) and the router takes it back.
     start = time.monotonic()
-    restarted = stack.state(stack.container(killed)).get("RestartCount", 0)
+    state = stack.state(stack.container(killed))
+    policy = f"running={state['Running']} after the restart policy"
     stack.compose("up", "-d", "--no-build", "--no-recreate", "--scale", "gateway=3")
     eventually(lambda: stack.healthy(killed), 180, f"{killed} healthy again")
     eventually(lambda: all(metric(stack.metrics(u), "kvgate_upstream_up", killed) == 1
                            for u in stack.gateway_urls()), 60, f"every gateway routes to {killed} again")
-    stack.log("recover", time.monotonic() - start, f"({killed} healthy and up in every router; restart policy "
-              f"restarts seen: {restarted})")
+    stack.log("recover", time.monotonic() - start, f"({killed} healthy and up in every router; {policy})")
     cache, answer = chat(sdk, ask(f"Name an animal. ({uuid.uuid4().hex})"), max_tokens=16)
     assert cache == "miss" and answer.choices[0].message.content
