@@ -159,11 +159,14 @@ def test_scale_gateway_to_three_replicas(stack: Stack) -> None:
     urls = eventually(lambda: stack.healthy("gateway") and len(stack.gateway_urls()) == 3 and stack.gateway_urls(),
                       180, "three healthy gateway replicas")
     stack.log("scale", time.monotonic() - start, "(gateway=3, healthy)")
+    answers = set()
     for url in urls:
-        cache, answer = chat(client(stack, url), ask(QUESTION), max_tokens=200)
+        cache, exact = chat(client(stack, url), ask(QUESTION), max_tokens=200)
         assert cache == "hit-exact", (url, cache)
-        cache, answer = chat(client(stack, url), ask(PARAPHRASE), max_tokens=200)
+        cache, semantic = chat(client(stack, url), ask(PARAPHRASE), max_tokens=200)
         assert cache == "hit-semantic", (url, cache)
+        answers |= {exact.choices[0].message.content, semantic.choices[0].message.content}
+    assert len(answers) == 1, "every replica serves the one stored answer"
 
 
 def test_engine_killed_mid_stream_then_recovery(stack: Stack) -> None:
