@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "kvgatedeploytest"
 MODEL = "smollm2-135m-instruct"
 ENGINES = ("engine-1", "engine-2")
+TEST_FILES = ("docker-compose.yml", "deploy/compose.test.yml")
 
 
 def docker_unavailable() -> str | None:
@@ -71,15 +72,16 @@ def eventually(check: Callable[[], Any], timeout_s: float, what: str, every_s: f
 
 
 class Stack:
-    """One compose project made of docker-compose.yml and deploy/compose.test.yml."""
+    """One compose project, by default docker-compose.yml with deploy/compose.test.yml."""
 
-    def __init__(self) -> None:
+    def __init__(self, project: str = PROJECT, files: tuple[str, ...] = TEST_FILES, **env: str) -> None:
+        self.project, self.files = project, files
         self.gateway_first = free_port_range(4)
         self.prometheus_port = free_port_range(1)
         self.admin_key = "kvg-admin-" + os.urandom(8).hex()
         self.env = dict(os.environ, KVGATE_ADMIN_KEY=self.admin_key,
                         KVGATE_GATEWAY_PORTS=f"{self.gateway_first}-{self.gateway_first + 3}",
-                        KVGATE_PROMETHEUS_PORT=str(self.prometheus_port), KVGATE_LOG_LEVEL="info")
+                        KVGATE_PROMETHEUS_PORT=str(self.prometheus_port), KVGATE_LOG_LEVEL="info", **env)
         self.timings: list[tuple[str, float]] = []
 
     def log(self, phase: str, seconds: float, detail: str = "") -> None:
@@ -87,8 +89,7 @@ class Stack:
         print(f"deploy: {phase} {seconds:.1f}s {detail}".rstrip(), flush=True)
 
     def compose(self, *args: str, timeout_s: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
-        command = ["docker-compose", "-p", PROJECT, "-f", "docker-compose.yml", "-f", "deploy/compose.test.yml",
-                   *args]
+        command = ["docker-compose", "-p", self.project, *(arg for f in self.files for arg in ("-f", f)), *args]
         result = subprocess.run(command, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout_s)
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

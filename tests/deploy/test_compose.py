@@ -52,7 +52,9 @@ def test_services_ports_volumes_healthchecks() -> None:
 def test_environment_is_settings_and_documented() -> None:
     known = setting_names(Settings)
     compose_only = listed_names(compose_only=True)
-    text = (ROOT / "docker-compose.yml").read_text()
+    # docker-compose.yml and its override files (deploy/compose.*.yml)
+    files = [ROOT / "docker-compose.yml", *sorted((ROOT / "deploy").glob("compose.*.yml"))]
+    text = "".join(path.read_text() for path in files)
     for service in compose()["services"].values():
         for key, _value in (service.get("environment") or {}).items():
             if key.startswith("KVGATE_"):
@@ -84,7 +86,11 @@ def test_dockerfile_bakes_models_and_runs_unprivileged() -> None:
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
-@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "deploy/compose.test.yml"]])
+@pytest.mark.parametrize("files", [
+    ["docker-compose.yml"],
+    ["docker-compose.yml", "deploy/compose.test.yml"],
+    ["docker-compose.yml", "deploy/compose.redis-cluster.yml", "deploy/compose.test.yml"],
+])
 def test_docker_compose_config_validates(files: list[str]) -> None:
     command = ["docker-compose", *(arg for f in files for arg in ("-f", f)), "config", "-q"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
