@@ -42,7 +42,7 @@ def _free_port() -> int:
 @contextmanager
 def _process(
     cmd: list[str], ready_url: str, env: dict[str, str] | None = None, timeout_s: float = 120
-) -> Iterator[None]:
+) -> Iterator[subprocess.Popen[bytes]]:
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -59,7 +59,7 @@ def _process(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{cmd} did not start")
             time.sleep(0.3)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:

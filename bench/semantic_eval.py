@@ -1,31 +1,40 @@
-"""`kvgate eval semantic --pairs FILE [--json]`: precision and recall of the semantic cache.
+"""`kvgate eval semantic [--pairs FILE] [--json]`: precision and recall of the semantic cache.
 
-FILE is JSON lines `{"a", "b", "label"}` (gzipped or not). Every `a` goes into one fresh cache
-partition as a stored question; every `b` is asked. A hit is right when it returns its own pair's
-`a` (the same text) and the label is 1. It runs the gateway's own code: the embedder, the FAISS
-index and `best_match` with the verifier at the configured target false-hit rate.
+FILE is JSON lines `{"a", "b", "label"}` (gzipped or not); without `--pairs`, a small hand-written
+English and Chinese sample shipped in the package (`gateway/responsecache/data/sample_pairs.jsonl`)
+is used, so the command runs from any checkout. The full sets are read by path, e.g.
+`--pairs ../shared/data/lcqmc/dev.jsonl.gz`. Every `a` goes into one fresh cache partition as a
+stored question; every `b` is asked. It runs the gateway's own code: the embedder, the FAISS index
+and `best_match` with the verifier at the configured target false-hit rate.
 
-    precision       right hits / hits
+The strict metric comes first: a hit is right only when it returns its own pair's `a` (the same
+text) and the label is 1.
+
+    precision       right hits / hits                (95% Wilson interval)
     recall          right hits / label-1 pairs
-    false_hit_rate  wrong hits / lookups (the operating point is set on this)
+    false_hit_rate  wrong hits / lookups             (95% Wilson interval; the operating point is set on this)
     p50_ms, p99_ms  one lookup end to end (embed one query, search, verify) on a sample of queries
+
+Rows per language (`language.language_of` of the question asked): a language the verifier was not
+validated on is never served a semantic hit, and its lookups are counted apart.
 
 A `b` that is byte-identical to some stored `a` is left out (counted as `exact_twins`): in the
 gateway the exact cache answers it first.
 
-`duplicate_aware` is the same replay scored with what the file itself knows: a hit is also right
-when the returned question differs from the pair's own `a` only in case and punctuation, or when
-the file's label-1 pairs link it to `b` (directly or through other label-1 pairs). QQP repeats
-questions across pairs, so the strict metric counts a hit on another pair's copy of the very
-question asked as wrong: at cosine >= 0.95 most of the strict metric's wrong hits are of that kind.
-Recall there is label-1 queries served a right hit / label-1 queries.
+`duplicate_aware` is a secondary reading: a hit is also right when the returned question differs
+from the pair's own `a` only in case and punctuation, or when the file's label-1 pairs link it to
+`b` (directly or through other label-1 pairs). It means something only on a file that repeats
+questions across pairs (QQP): there the strict metric counts a hit on another pair's copy of the
+very question asked as wrong. On a file whose label-1 pairs are dense (LCQMC) it links nearly
+everything and reads near 1.0: never a headline figure.
 
-`baseline` is a plain fixed-threshold cosine cache (GPTCache, LiteLLM, RedisVL): the nearest
-neighbour is served when its cosine reaches a threshold, set here where it reaches the same
-recall as kvgate.
+`baseline` is a plain fixed-threshold cosine cache (GPTCache, LiteLLM, RedisVL) on the same
+embeddings: the nearest neighbour is served when its cosine reaches a threshold, set here where it
+reaches the same recall as kvgate.
 
-Embedding is most of the runtime (a few hundred texts a second on two CPU cores), so large files
-are subsampled to `--limit` pairs (seeded; `--limit 0` = all); the output says how many were used.
+Embedding is most of the runtime, so large files are subsampled to `--limit` pairs (seeded;
+`--limit 0` = all); the output says how many were used. `--embeddings-cache DIR` keeps the
+embeddings on disk between runs.
 """
 
 from __future__ import annotations
@@ -33,28 +42,32 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
-from gateway.responsecache.embedder import encode, load_model
+from gateway.responsecache.embedder import DIMENSIONS, encode, load_model
 from gateway.responsecache.index import SemanticIndex
 from gateway.responsecache.keys import PartitionKey
+from gateway.responsecache.language import language_of
 from gateway.responsecache.semantic import best_match
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.store import EntryMeta
 from gateway.responsecache.verifier import Verifier, tokens
 
+SAMPLE_PAIRS = Path(__file__).resolve().parents[1] / "gateway" / "responsecache" / "data" / "sample_pairs.jsonl"
 PARTITION = PartitionKey("eval")
 DEFAULT_LIMIT = 4000
 TIMED_QUERIES = 300
-EMBED_BATCH = 128
+EMBED_BATCH = 32
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,12 +133,11 @@ def subsample(pairs: list[Pair], limit: int, seed: int = 0) -> list[Pair]:
 def embed_texts(model: Any, texts: list[str], progress: bool = True) -> dict[str, np.ndarray]:
     unique = sorted(set(texts), key=len)
     vectors: list[np.ndarray] = []
-    step = 2048
-    for start in range(0, len(unique), step):
-        vectors.append(encode(model, unique[start:start + step], batch_size=EMBED_BATCH))
-        if progress:
-            print(f"  embedded {min(start + step, len(unique))}/{len(unique)} texts", file=sys.stderr)
-    stacked = np.concatenate(vectors) if vectors else np.zeros((0, 384), np.float32)
+    with tqdm(total=len(unique), desc="embedding", unit="text", disable=not progress, file=sys.stderr) as bar:
+        for start in range(0, len(unique), EMBED_BATCH):
+            vectors.append(encode(model, unique[start:start + EMBED_BATCH]))
+            bar.update(len(vectors[-1]))
+    stacked = np.concatenate(vectors) if vectors else np.zeros((0, DIMENSIONS), np.float32)
     return dict(zip(unique, stacked, strict=True))
 
 
@@ -138,10 +150,13 @@ def without_exact_twins(pairs: list[Pair]) -> list[Pair]:
     return [p for p in pairs if p.b not in stored]
 
 
-def build_index(pairs: list[Pair], vectors: dict[str, np.ndarray]) -> SemanticIndex:
+def build_index(pairs: list[Pair], vectors: dict[str, np.ndarray], fillers: Sequence[str] = ()) -> SemanticIndex:
+    """Every `a` stored, plus `fillers`: stored questions that no query asks (distractors)."""
     index = SemanticIndex()
-    index.add([EntryMeta(i + 1, "eval", "eval", "eval", "", PARTITION, p.a, vectors[p.a], float("inf"))  # type: ignore[arg-type]
-               for i, p in enumerate(pairs)])
+    own = {p.a for p in pairs}
+    stored = [p.a for p in pairs] + [t for t in dict.fromkeys(fillers) if t not in own]
+    index.add([EntryMeta(i + 1, "eval", "eval", "eval", "", PARTITION, text, vectors[text], float("inf"))  # type: ignore[arg-type]
+               for i, text in enumerate(stored)])
     return index
 
 
@@ -241,72 +256,150 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def load_vectors(model: Any, texts: list[str], cache: Path | None, progress: bool) -> dict[str, np.ndarray]:
-    """Embeddings of `texts`, read from `cache` (texts.json + vectors.npy, as
-    `bench.semantic_calibrate` writes it) when it holds them all."""
-    if cache is not None and (cache / "vectors.npy").exists():
-        cached = json.loads((cache / "texts.json").read_text())
-        position = {t: i for i, t in enumerate(cached)}
-        if all(t in position for t in texts):
-            stored = np.load(cache / "vectors.npy", mmap_mode="r")
-            return {t: np.array(stored[position[t]], dtype=np.float32) for t in set(texts)}
-    return embed_texts(model, texts, progress=progress)
+    """Embeddings of `texts`. With `cache` (a directory of chunkN.json + chunkN.npy files), the
+    texts found there are read and the rest embedded and added as a new chunk."""
+    wanted = set(texts)
+    found: dict[str, np.ndarray] = {}
+    if cache is not None and cache.is_dir():
+        for names in sorted(cache.glob("chunk*.json")):
+            chunk = json.loads(names.read_text(encoding="utf-8"))
+            stored = np.load(names.with_suffix(".npy"))
+            found.update((t, np.asarray(stored[i], dtype=np.float32)) for i, t in enumerate(chunk) if t in wanted)
+    missing = sorted(wanted - found.keys())
+    if missing:
+        fresh = embed_texts(model if model is not None else load_model(), missing, progress=progress)
+        found.update(fresh)
+        if cache is not None:
+            cache.mkdir(parents=True, exist_ok=True)
+            name = cache / f"chunk{time.time_ns()}"
+            np.save(name.with_suffix(".npy"), np.stack([fresh[t] for t in missing]))
+            name.with_suffix(".json").write_text(json.dumps(missing, ensure_ascii=False), encoding="utf-8")
+    return found
+
+
+def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def strict_row(outcomes: list[Outcome], num_positive: int) -> dict[str, Any]:
+    row: dict[str, Any] = summary(outcomes, num_positive)
+    hits = int(row["hits"])
+    right = sum(o.right for o in outcomes if o.score is not None)
+    row["precision_ci"] = [round(x, 4) for x in wilson(right, hits)]
+    row["false_hit_rate_ci"] = [round(x, 4) for x in wilson(hits - right, len(outcomes))]
+    row["lookups"] = len(outcomes)
+    row["positives"] = num_positive
+    return row
+
+
+def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifier,
+             dups: Duplicates | None, fillers: Sequence[str] = ()) -> dict[str, Any]:
+    """Store every `a` (and `fillers`), ask every `b`: strict rows overall and per language, each
+    with the cosine baseline at its recall, and the duplicate-aware reading."""
+    index = build_index(pairs, vectors, fillers)
+    queries = without_exact_twins(pairs)
+    outcomes = score(queries, index, vectors, verifier, dups)
+    cosines = top1_cosine(queries, index, vectors, dups)
+    languages = [str(language_of(p.b) or "other") for p in queries]
+    result: dict[str, Any] = {"queries": len(queries), "exact_twins": len(pairs) - len(queries), "languages": {}}
+    groups = {"all": list(range(len(queries)))}
+    for lang in sorted(set(languages)):
+        groups[lang] = [i for i, x in enumerate(languages) if x == lang]
+    for name, rows in groups.items():
+        mine = [outcomes[i] for i in rows]
+        base = [cosines[i] for i in rows]
+        num_positive = sum(queries[i].label for i in rows)
+        strict = strict_row(mine, num_positive)
+        strict["baseline"] = baseline_at_recall(base, strict["recall"], num_positive)
+        dup = summary(mine, num_positive, dup=True)
+        dup["baseline"] = baseline_at_recall(base, dup["recall"], num_positive, dup=True)
+        strict["duplicate_aware"] = dup
+        for row in (strict, strict["baseline"], dup, dup["baseline"]):
+            for key in ("precision", "recall", "false_hit_rate"):
+                row[key] = round(row[key], 4)
+        if name == "all":
+            result.update(strict)
+        else:
+            result["languages"][name] = strict
+    return result
+
+
+def print_report(result: dict[str, Any], title: str) -> None:
+    print(title)
+    print(f"{'strict (a hit is right only on its own pair)':46} {'precision (95% CI)':>22} {'recall':>7} "
+          f"{'false hits/lookup (95% CI)':>28} {'hits':>5} {'lookups':>7}")
+    rows = [("all", result), *sorted(result["languages"].items())]
+    for name, row in rows:
+        if name == "other":
+            print(f"  {'other languages: exact cache only':44} {'-':>22} {'-':>7} {'-':>28} {row['hits']:5d} "
+                  f"{row['lookups']:7d}")
+            continue
+        base = row["baseline"]
+        p_lo, p_hi = row["precision_ci"]
+        f_lo, f_hi = row["false_hit_rate_ci"]
+        print(f"  {'kvgate, ' + name:44} {row['precision']:6.3f} ({p_lo:.3f}-{p_hi:.3f}) {row['recall']:7.3f} "
+              f"{row['false_hit_rate']:10.4f} ({f_lo:.4f}-{f_hi:.4f}) {row['hits']:5d} {row['lookups']:7d}")
+        print(f"  {'cosine >= ' + str(base['threshold']) + ', ' + name + ' (same recall)':44} "
+              f"{base['precision']:6.3f} {'':15} {base['recall']:7.3f} {base['false_hit_rate']:10.4f} {'':17} "
+              f"{int(base['hits']):5d}")
+    dup = result["duplicate_aware"]
+    print(f"secondary, duplicate-aware (also right on a question the file's label-1 pairs link to b; "
+          f"meaningful on QQP-like files only): precision {dup['precision']:.3f}, recall {dup['recall']:.3f}, "
+          f"cosine at that recall {dup['baseline']['precision']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvgate eval semantic", description=__doc__.split("\n")[0])
-    parser.add_argument("--pairs", required=True, type=Path, help="JSON lines {a, b, label}, gzipped or not")
+    parser = argparse.ArgumentParser(prog="kvgate eval semantic", description=__doc__.split("\n")[0],
+                                     epilog="Example: kvgate eval semantic --pairs ../shared/data/lcqmc/dev.jsonl.gz")
+    parser.add_argument("--pairs", type=Path, default=SAMPLE_PAIRS,
+                        help="JSON lines {a, b, label}, gzipped or not (default: the small sample in the package)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="pairs to use (seeded sample; 0 = all)")
     parser.add_argument("--target-false-hit-rate", type=float, default=ResponseCacheSettings().target_false_hit_rate)
-    parser.add_argument("--embeddings-cache", type=Path,
-                        help="directory with texts.json + vectors.npy holding this file's embeddings (skips embedding)")
+    parser.add_argument("--embeddings-cache", type=Path, help="directory that keeps embeddings between runs")
     args = parser.parse_args(argv)
 
-    all_pairs = read_pairs(args.pairs)
+    if not args.pairs.is_file():
+        print(f"kvgate eval semantic: no pairs file at {args.pairs}. Pass --pairs PATH to a JSON-lines file "
+              "of {\"a\", \"b\", \"label\"} (for example the QQP or LCQMC sets, read where they are), or "
+              "leave --pairs out to run the sample shipped in the package.", file=sys.stderr)
+        return 2
+    try:
+        all_pairs = read_pairs(args.pairs)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"kvgate eval semantic: cannot read {args.pairs} as JSON lines of {{a, b, label}}: {exc}",
+              file=sys.stderr)
+        return 2
     pairs = subsample(all_pairs, args.limit)
     dups = Duplicates(all_pairs)
     model = load_model()
     verifier = Verifier.load(args.target_false_hit_rate)
     vectors = load_vectors(model, [p.a for p in pairs] + [p.b for p in pairs], args.embeddings_cache,
                            progress=not args.json)
+    result = evaluate(pairs, vectors, verifier, dups)
     index = build_index(pairs, vectors)
-    queries = without_exact_twins(pairs)
-    num_positive = sum(p.label for p in queries)
-
-    outcomes = score(queries, index, vectors, verifier, dups)
-    cosines = top1_cosine(queries, index, vectors, dups)
-    result: dict[str, Any] = summary(outcomes, num_positive)
-    sample = subsample(queries, TIMED_QUERIES, seed=1)
+    sample = subsample(without_exact_twins(pairs), TIMED_QUERIES, seed=1)
     times = timed_lookups(model, sample, index, verifier)
-    result.update(p50_ms=round(percentile(times, 50), 3), p99_ms=round(percentile(times, 99), 3))
-    baseline = baseline_at_recall(cosines, result["recall"], num_positive)
     base_times = timed_lookups(model, sample, index, None)
-    baseline.update(p50_ms=round(percentile(base_times, 50), 3), p99_ms=round(percentile(base_times, 99), 3))
-    dup_result = summary(outcomes, num_positive, dup=True)
-    dup_result["baseline"] = baseline_at_recall(cosines, dup_result["recall"], num_positive, dup=True)
-    result.update(baseline=baseline, duplicate_aware=dup_result, pairs_used=len(pairs),
-                  pairs_in_file=len(all_pairs), queries=len(queries), exact_twins=len(pairs) - len(queries),
-                  positives=num_positive, target_false_hit_rate=args.target_false_hit_rate,
-                  verifier_threshold=verifier.threshold, timed_queries=len(sample))
-    for row in (result, baseline, dup_result, dup_result["baseline"]):
-        for key in ("precision", "recall", "false_hit_rate"):
-            row[key] = round(row[key], 4)
+    result.update(p50_ms=round(percentile(times, 50), 3), p99_ms=round(percentile(times, 99), 3),
+                  baseline_p50_ms=round(percentile(base_times, 50), 3), pairs_used=len(pairs),
+                  pairs_in_file=len(all_pairs), target_false_hit_rate=args.target_false_hit_rate,
+                  verifier_thresholds={str(k): v for k, v in verifier.thresholds.items()}, timed_queries=len(sample))
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"semantic cache on {args.pairs.name}: {len(pairs)} of {len(all_pairs)} pairs stored, {len(queries)} "
-          f"asked ({num_positive} label 1; {len(pairs) - len(queries)} byte-identical to a stored question are the "
-          f"exact cache's), target false-hit rate {args.target_false_hit_rate}")
-    print(f"{'':36} {'precision':>9} {'recall':>7} {'false hits':>10} {'hits':>6} {'p50 ms':>7} {'p99 ms':>7}")
-    rows = (("kvgate (verifier)", result), (f"cosine >= {baseline['threshold']}", baseline),
-            ("kvgate, duplicate-aware", dup_result),
-            (f"cosine >= {dup_result['baseline']['threshold']}, duplicate-aware", dup_result["baseline"]))
-    for name, row in rows:
-        latency = f"{row['p50_ms']:7.2f} {row['p99_ms']:7.2f}" if "p50_ms" in row else ""
-        print(f"{name:36} {row['precision']:9.3f} {row['recall']:7.3f} {row['false_hit_rate']:10.4f} "
-              f"{row['hits']:6d} {latency}")
-    print(f"(latency: one lookup incl. embedding, {len(sample)} queries; each baseline at kvgate's recall under the "
-          "same metric; duplicate-aware: a hit on a question the file marks as the same as b is right)")
+    print_report(result, f"semantic cache on {args.pairs.name}: {len(pairs)} of {len(all_pairs)} pairs stored, "
+                         f"{result['queries']} asked ({result['positives']} label 1; {result['exact_twins']} "
+                         f"byte-identical to a stored question are the exact cache's), target false-hit rate "
+                         f"{args.target_false_hit_rate} (wrong hits / lookups)")
+    print(f"latency of one lookup incl. embedding ({len(sample)} queries): kvgate p50 {result['p50_ms']:.2f} ms, "
+          f"p99 {result['p99_ms']:.2f} ms; cosine-only p50 {result['baseline_p50_ms']:.2f} ms")
     return 0
 
 

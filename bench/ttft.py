@@ -22,8 +22,9 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.runner import Generation, ModelRunner
+from gateway.engine.runner import Generation, InitialCache, ModelRunner
 from gateway.engine.sampling import SamplingParams
+from gateway.engine.scheduler import BatchScheduler
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.blocks import BlockLayout, stack_layers
 from gateway.kvcache.codec import build_codec
@@ -46,14 +47,60 @@ def _prefix_kv(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
         return stack_layers([(layer.keys, layer.values) for layer in cache.layers])  # type: ignore[union-attr]
 
 
-def _floor_s(loaded: LoadedModel, kv: torch.Tensor, prefix_len: int, suffix: list[int]) -> float:
+def _initial(kv: torch.Tensor, prefix_len: int) -> InitialCache:
+    """The prefix already in memory: what a restore would build, with nothing to restore."""
     layers = [(kv[i, 0, :, :prefix_len][None].clone(), kv[i, 1, :, :prefix_len][None].clone())
               for i in range(kv.shape[0])]
-    cache = DynamicCache(ddp_cache_data=layers)
-    with torch.inference_mode():
-        started = time.perf_counter()
-        loaded.model(input_ids=torch.tensor([suffix], device=loaded.device), cache=cache, use_cache=True)
-        return time.perf_counter() - started
+    return InitialCache(DynamicCache(ddp_cache_data=layers), prefix_len)
+
+
+def _floor_s(runner: ModelRunner, kv: torch.Tensor, prefix_len: int, ids: list[int]) -> float:
+    """Prefill of the suffix only, through the same runner path as a restored request."""
+    gen = Generation(ids, SamplingParams(max_tokens=1), initial=_initial(kv, prefix_len))
+    return runner.run(gen).prefill_s
+
+
+def _under_load(loaded: LoadedModel, args: argparse.Namespace, tmp: Path, size: int, previous: list[int],
+                currents: list[list[int]], kv: torch.Tensor) -> list[dict[str, Any]]:
+    """TTFT (submission to first token) of restored requests and of the floor, each joining a
+    batch in which `args.background` other sequences keep decoding."""
+    rows: list[dict[str, Any]] = []
+    aligned = int(size * 0.9) // 16 * 16
+    for tier in ("host", "disk"):
+        fields = {**NO_TIERS, **_tier_settings(tier, tmp, args.redis_url), "skip_slow_tiers": False}
+        layout = BlockLayout(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, 16, loaded.dtype)
+        manager = build_manager(KVCacheSettings(**fields), model_id=loaded.model_id, layout=layout)
+        manager.store("bench", previous, kv)
+        runner = ModelRunner(loaded, manager, layerwise_min_tokens=1 << 30)
+        scheduler = BatchScheduler(runner, max_batch=args.background + 2, prefill_chunk_tokens=args.prefill_chunk)
+        background = [Generation(_tokens(loaded, 64, seed=900 + i), SamplingParams(max_tokens=1 << 20))
+                      for i in range(args.background)]
+        for gen in background:
+            scheduler.submit(gen)
+
+        def ttft(gen: Generation, scheduler: BatchScheduler = scheduler) -> tuple[float, int]:
+            submitted = time.perf_counter()
+            result = scheduler.submit(gen).result()
+            return result.token_times[0] - submitted, result.cached_tokens
+
+        try:
+            ttft(Generation(currents[0], SamplingParams(max_tokens=1), initial=_initial(kv, aligned)))  # warm-up
+            floors, restored, cached = [], [], 0
+            for c in currents:
+                floors.append(ttft(Generation(c, SamplingParams(max_tokens=1), initial=_initial(kv, aligned)))[0])
+                took, cached = ttft(Generation(c, SamplingParams(max_tokens=1), salt="bench"))
+                restored.append(took)
+        finally:
+            for gen in background:
+                gen.cancelled.set()
+            scheduler.close()
+            runner.close()
+            manager.close()
+        t, f = statistics.median(restored), statistics.median(floors)
+        rows.append({"prompt_tokens": size, "tier": tier, "layerwise": False, "background": args.background,
+                     "ttft_s": round(t, 4), "floor_s": round(f, 4), "cached_tokens": cached,
+                     "vs_floor": round(t / f, 2)})
+    return rows
 
 
 def _tier_settings(tier: str, tmp: Path, redis_url: str) -> dict[str, Any]:
@@ -73,7 +120,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tiers", default="device,host,disk,redis")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--background", type=int, default=0,
+                        help="also measure host and disk restores joining a batch of this many decoding sequences")
+    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads; unset = torch's default")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     settings = EngineSettings()
     loaded = load_model(settings.model, settings.model_cache_dir, settings.device, settings.dtype)
@@ -97,8 +150,8 @@ def main(argv: list[str]) -> int:
                                                                                       block.element_size())
             cold = cold_runner.run(Generation(current, SamplingParams(max_tokens=1))).prefill_s
             aligned = shared // 16 * 16
-            _floor_s(loaded, kv, aligned, current[aligned:])  # warm-up at this shape
-            floor = statistics.median(_floor_s(loaded, kv, aligned, c[aligned:]) for c in currents)
+            _floor_s(cold_runner, kv, aligned, current)  # warm-up at this shape
+            floor = statistics.median(_floor_s(cold_runner, kv, aligned, c) for c in currents)
             rows.append({"prompt_tokens": size, "tier": "cold", "layerwise": False, "ttft_s": round(cold, 4),
                          "floor_s": round(floor, 4), "cached_tokens": 0})
             for tier in args.tiers.split(","):
@@ -124,6 +177,8 @@ def main(argv: list[str]) -> int:
                     rows.append({"prompt_tokens": size, "tier": tier, "layerwise": layerwise,
                                  "ttft_s": round(ttft, 4), "floor_s": round(floor, 4), "cached_tokens": cached,
                                  "vs_floor": round(ttft / floor, 2), "speedup_vs_cold": round(cold / ttft, 2)})
+            if args.background:
+                rows.extend(_under_load(loaded, args, tmp, size, previous, currents, kv))
     cold_runner.close()
     summary = {"model": loaded.model_id, "dtype": str(loaded.dtype).removeprefix("torch."),
                "kv_bytes_per_token": loaded.kv_bytes_per_token,
@@ -133,10 +188,11 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"model {summary['model']} ({summary['dtype']}), KV bytes per token {summary['kv_bytes_per_token']}, "
           f"shrink-zstd ratio on its KV {summary['shrink_zstd_ratio_on_model_kv']}")
-    print("| prompt tokens | tier | layerwise | cached | TTFT s | floor s | TTFT / floor | cold / TTFT |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| prompt tokens | tier | layerwise | background | cached | TTFT s | floor s | TTFT / floor | cold / TTFT |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['prompt_tokens']} | {r['tier']} | {r['layerwise']} | {r['cached_tokens']} | {r['ttft_s']} | "
+        print(f"| {r['prompt_tokens']} | {r['tier']} | {r['layerwise']} | {r.get('background', 0)} | "
+              f"{r['cached_tokens']} | {r['ttft_s']} | "
               f"{r['floor_s']} | {r.get('vs_floor', '-')} | {r.get('speedup_vs_cold', '-')} |")
     for note in notes:
         print(f"note: {note}")

@@ -11,13 +11,17 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from gateway.api import admin, health, openai
+from gateway.api import admin, health, messages, openai, responses_api
+from gateway.api.openapi import install_openapi
 from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
 from gateway.observability.install import attach_observability, install_observability
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
-from gateway.persistence.keys import KeyStore, create_first_key
+from gateway.persistence.keys import FirstKeys, KeyStore, create_first_keys
 from gateway.persistence.request_log import RequestLogWriter
+from gateway.pipeline.condense import CondenseStep
+from gateway.pipeline.embeddings import EmbeddingCache
+from gateway.pipeline.native import MESSAGES, RESPONSES, NativeRoute
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
 from gateway.services import Services
@@ -26,6 +30,7 @@ from gateway.upstream.backend import Backend
 from gateway.upstream.http import HttpBackend
 from gateway.upstream.router import Router
 from gateway.usage.accounting import Accountant
+from gateway.usage.cache_writes import CacheWriteTracker
 
 if TYPE_CHECKING:
     from gateway.engine.service import Engine
@@ -44,11 +49,36 @@ async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
 
         engine = await asyncio.to_thread(build_engine, settings.engine, settings.kvcache)
         backends.append(engine.backend)
+        backends.append(await build_embedding_backend())
     router = Router(backends, settings.routing)
     for upstream, backend in zip(settings.upstreams, backends, strict=False):
         if upstream.models:
             router.configure_models(backend, upstream.models)
     return router, engine
+
+
+async def build_embedding_backend() -> Backend:
+    """`/v1/embeddings` on the embedded default, by the embedding model the semantic cache loads
+    anyway (one copy per process)."""
+    from gateway.engine.embeddings import EmbeddingBackend
+    from gateway.responsecache.embedder import Embedder, load_model
+
+    model = await asyncio.to_thread(load_model)  # the process's one copy (its threads are fixed at first load)
+    return EmbeddingBackend(model, Embedder(model))
+
+
+def first_start_banner(keys: FirstKeys, settings: Settings, model_ids: list[str]) -> str:
+    """The first start's keys, framed so that they stand out from the JSON log lines around them."""
+    base = f"http://{settings.host}:{settings.port}"
+    rows = [("API key, tenant 'default'", keys.tenant_key), ("admin key (dashboard)", keys.admin_key),
+             ("model" + ("s" if len(model_ids) > 1 else ""), ", ".join(model_ids) or "(none discovered yet)"),
+             ("base_url", base + "/v1"), ("dashboard", base + "/dashboard")]
+    width = max(len(label) for label, _ in rows)
+    rule = "=" * 78
+    lines = [rule, "kvgate: first start, no API keys existed. Created these keys; they are shown only once",
+             "(only their SHA-256 is stored). `kvgate keys list|create|revoke` manages them.", ""]
+    lines += [f"  {label.ljust(width)}  {value}" for label, value in rows]
+    return "\n".join(["", *lines, rule, ""])
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -59,7 +89,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.auto_migrate:
             await upgrade_async(settings.database_url)
-        db = make_engine(settings.database_url)
+        db = make_engine(settings.database_url, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_max_overflow, pool_timeout_s=settings.db_pool_timeout_s)
         sessions = make_sessionmaker(db)
         request_log = RequestLogWriter(sessions, batch_size=settings.request_log_batch)
         request_log.start()
@@ -70,17 +101,22 @@ def create_app(settings: Settings) -> FastAPI:
         response_cache = await open_response_cache(settings.responsecache, sessions)
         if settings.no_auth:
             log.warning("AUTH IS OFF: every request is served as tenant 'anonymous' (loopback only)")
-        elif settings.admin_key is None and (first_key := await create_first_key(sessions)):
-            # Printed to the console once, never logged: a fresh install is usable without a
-            # separate `kvgate keys create`.
-            print(f"kvgate: no API keys existed; created one for tenant 'default' (shown once): {first_key}",
-                  file=sys.stderr, flush=True)
+        elif settings.admin_key is None and (first_keys := await create_first_keys(sessions)):
+            # Printed to the console once, never logged: a fresh install is usable (API and
+            # dashboard) without a separate `kvgate keys create`.
+            print(first_start_banner(first_keys, settings, [str(m["id"]) for m in router.models()]),
+                  file=sys.stdout, flush=True)
         metrics = getattr(app.state, "metrics", None)
 
         def on_break(reason: str, tenant: str, model: str | None) -> None:
             if metrics is not None:
                 metrics.observe_prefix_break(reason, tenant=tenant, model=model)
 
+        cache_writes = CacheWriteTracker()
+        proxy = Proxy(router, request_log, response_cache,
+                      preparer=Preparer(settings.canonical, settings.routing, on_break=on_break),
+                      accountant=Accountant(settings.usage.prices), compaction=settings.compaction,
+                      condense=CondenseStep(settings.condense, settings.engine))
         app.state.services = Services(
             settings=settings,
             db=db,
@@ -88,10 +124,13 @@ def create_app(settings: Settings) -> FastAPI:
             keys=KeyStore(sessions, settings.admin_key, settings.key_cache_ttl_s),
             request_log=request_log,
             router=router,
-            proxy=Proxy(router, request_log, response_cache,
-                        preparer=Preparer(settings.canonical, settings.routing, on_break=on_break),
-                        accountant=Accountant(settings.usage.prices)),
+            proxy=proxy,
             response_cache=response_cache,
+            native_messages=NativeRoute(MESSAGES, router, request_log, response_cache, proxy.flights,
+                                        on_usage=cache_writes.observe),
+            cache_writes=cache_writes,
+            native_responses=NativeRoute(RESPONSES, router, request_log, response_cache, proxy.flights),
+            embedding_cache=EmbeddingCache(response_cache, proxy, request_log) if response_cache is not None else None,
         )
         try:
             yield
@@ -104,10 +143,13 @@ def create_app(settings: Settings) -> FastAPI:
             await request_log.stop()
             await db.dispose()
 
-    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
+    install_openapi(app)
     install_observability(app, settings)
     app.include_router(openai.router)
+    app.include_router(messages.router)
+    app.include_router(responses_api.router)
     app.include_router(health.router)
     app.include_router(admin.router)
     return app

@@ -1,4 +1,5 @@
-"""One exception tree, rendered by one handler as the OpenAI error envelope.
+"""One exception tree, rendered by one handler as the OpenAI error envelope (on Anthropic's route,
+`/v1/messages`, as Anthropic's: `{"type": "error", "error": {"type", "message"}}`).
 
     GatewayError                      500 server_error
     ├── InvalidRequest                400 invalid_request_error
@@ -31,6 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 ErrorBody = dict[str, Any]
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+                   429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
 class GatewayError(Exception):
@@ -44,6 +49,8 @@ class GatewayError(Exception):
         self.param = param
         if code is not None:
             self.code = code
+        # Response headers that belong to the error (an upstream's `Retry-After` on a 429).
+        self.headers: dict[str, str] = {}
 
     def envelope(self) -> ErrorBody:
         return {
@@ -127,7 +134,8 @@ class UpstreamProtocolError(UpstreamError):
 class UpstreamStatusError(UpstreamError):
     """The upstream answered with an error status: relay its status and its own error."""
 
-    def __init__(self, status_code: int, body: ErrorBody, upstream: str) -> None:
+    def __init__(self, status_code: int, body: ErrorBody, upstream: str,
+                 headers: dict[str, str] | None = None) -> None:
         error = body.get("error")
         if not isinstance(error, dict):
             error = {}
@@ -136,12 +144,18 @@ class UpstreamStatusError(UpstreamError):
         self.status_code = status_code
         self.error_type = str(error.get("type") or ("rate_limit_error" if status_code == 429 else "upstream_error"))
         self.upstream = upstream
+        self.headers = dict(headers or {})
 
 
-def error_response(exc: GatewayError) -> Response:
-    return Response(
-        orjson.dumps(exc.envelope()), status_code=exc.status_code, media_type="application/json"
-    )
+def error_response(exc: GatewayError, request: Request | None = None) -> Response:
+    """The OpenAI envelope; on Anthropic's route (`/v1/messages`), Anthropic's."""
+    if request is not None and request.url.path.startswith(ANTHROPIC_PATHS):
+        payload: ErrorBody = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(exc.status_code, "api_error"),
+                                                         "message": exc.message}}
+    else:
+        payload = exc.envelope()
+    return Response(orjson.dumps(payload), status_code=exc.status_code, media_type="application/json",
+                    headers=exc.headers or None)
 
 
 def _validation_error(exc: RequestValidationError) -> GatewayError:
@@ -154,11 +168,11 @@ def _validation_error(exc: RequestValidationError) -> GatewayError:
 def install_error_handlers(app: FastAPI) -> None:
     """Every error kvgate returns goes through here, in the OpenAI envelope."""
 
-    async def on_gateway_error(_: Request, exc: Exception) -> Response:
+    async def on_gateway_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, GatewayError)
-        return error_response(exc)
+        return error_response(exc, request)
 
-    async def on_http_error(_: Request, exc: Exception) -> Response:
+    async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         mapped: GatewayError
         if exc.status_code == 404:
@@ -169,14 +183,14 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             mapped = GatewayError(str(exc.detail))
             mapped.status_code = exc.status_code
-        return error_response(mapped)
+        return error_response(mapped, request)
 
-    async def on_validation_error(_: Request, exc: Exception) -> Response:
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
-        return error_response(_validation_error(exc))
+        return error_response(_validation_error(exc), request)
 
-    async def on_unexpected(_: Request, exc: Exception) -> Response:
-        return error_response(GatewayError("internal error"))
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        return error_response(GatewayError("internal error"), request)
 
     app.add_exception_handler(GatewayError, on_gateway_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

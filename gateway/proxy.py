@@ -18,10 +18,28 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 
 from gateway.canonical.prepare import Prepared, Preparer
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UpstreamError
 from gateway.persistence.keys import Principal
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
-from gateway.responsecache.cache import Lookup, ResponseCache
+from gateway.pipeline.compaction import (
+    HOW_TO_OPT_IN,
+    Compaction,
+    CompactionSettings,
+    compaction_request,
+    continued_request,
+    is_context_overflow,
+    summary_text,
+)
+from gateway.pipeline.condense import (
+    CondenseOutcome,
+    CondenseRequest,
+    CondenseStep,
+    annotate_usage,
+    condense_headers,
+    condensed_from,
+)
+from gateway.pipeline.singleflight import Flight, SingleFlight
+from gateway.responsecache.cache import HIT_INFLIGHT, Lookup, ResponseCache
 from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.replay import assemble_stream
 from gateway.upstream.backend import Backend, JSONObject
@@ -47,23 +65,31 @@ class Call:
     # Set on routes the response cache serves (chat completions).
     cache: CacheControls | None = None
     session: str | None = None  # x-kvgate-session: names the session for prefix-break diagnostics
+    condense: CondenseRequest | None = None  # opt-in: condense long context before the upstream reads it
+    condensed: CondenseOutcome | None = None
+    compact: bool = False  # continue from a summary when the conversation overflows the context
+    compaction: Compaction | None = None  # set when it did
 
 
 class Proxy:
     def __init__(self, router: Router, request_log: RequestLogWriter,
                  response_cache: ResponseCache | None = None, preparer: Preparer | None = None,
-                 accountant: Accountant | None = None) -> None:
+                 accountant: Accountant | None = None, compaction: CompactionSettings | None = None,
+                 condense: CondenseStep | None = None, flights: SingleFlight | None = None) -> None:
         self._router = router
+        self.flights = flights or SingleFlight()
+        self._compaction = compaction or CompactionSettings()
         self._log = request_log
         self._cache = response_cache
         self._preparer = preparer
         self._accountant = accountant or Accountant({})
+        self._condense = condense
 
     def _prepare(self, call: Call) -> Prepared:
         """Canonical body, prefix-break diagnostics and prefix blocks (chat and completions)."""
         if self._preparer is None or call.route == "embeddings":
             return Prepared(call.body)
-        prepared = self._preparer.prepare(call.principal.tenant, call.body, chat=call.route == "chat.completions",
+        prepared = self._preparer.prepare(call.principal.tenant, call.body, chat=call.path == "/chat/completions",
                                           session=call.session)
         call.body = prepared.body
         return prepared
@@ -82,9 +108,17 @@ class Proxy:
                 response.headers.update(prepared.headers)
                 return response
         cache_status = lookup.status if lookup else None
+        flight: Flight | None = None
+        if lookup is not None and self._cache is not None and lookup.controls.read:
+            flight, leads = self.flights.join(lookup.key)
+            if not leads:
+                return await self._follow(call, started, prepared, lookup, flight)
         try:
+            # After the cache lookup (keyed by what the client sent), before the upstream reads it.
+            if call.condense is not None and self._condense is not None:
+                call.body, call.condensed = await self._condense.apply(call.body, call.condense)
             if call.stream:
-                return await self._forward_stream(call, started, prepared, lookup)
+                return await self._forward_stream(call, started, prepared, lookup, flight)
             result, route = await self._router.call(
                 call.model, lambda b: b.post_json(call.path, call.body, salt=tenant_salt(call.principal.tenant)),
                 blocks=prepared.blocks,
@@ -92,24 +126,61 @@ class Proxy:
             self._router.release(route)
             backend = route.backend
         except GatewayError as exc:
+            if is_context_overflow(exc) and call.route == "chat.completions":
+                if call.compact and (request := compaction_request(call.body, self._compaction)) is not None:
+                    if flight is not None:
+                        self.flights.abandon(flight)  # the compacted request is another request
+                    return await self._compact_and_forward(call, request, prepared)
+                exc.message += HOW_TO_OPT_IN
             self._record(call, started, status=exc.status_code, error=exc, cache=cache_status)
+            if flight is not None:
+                self.flights.fail(flight, exc)
+            raise
+        except BaseException:
+            if flight is not None:
+                self.flights.fail(flight, UpstreamError("the identical request this one waited for was cancelled"))
             raise
         ttfb = time.perf_counter()
-        headers = {"x-request-id": call.request_id, **prepared.headers}
+        headers = {"x-request-id": call.request_id, **prepared.headers, **_compaction_headers(call),
+                   **condense_headers(call.condensed)}
         raw = result.raw
         usage = result.body.get("usage")
         if call.route != "embeddings" and isinstance(usage, dict):
             usage, accounted = self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)
-            raw = orjson.dumps({**result.body, "usage": usage, "kvgate": {"usage_source": accounted.source}})
+            usage = annotate_usage(usage, call.condensed)
+            raw = orjson.dumps({**result.body, "usage": usage,
+                                "kvgate": {"usage_source": accounted.source, **_compaction_field(call)}})
             headers["x-kvgate-usage-source"] = accounted.source
         self._record(call, started, status=200, backend=backend, usage=usage, ttfb_s=ttfb, cache=cache_status)
+        stored = None
         if lookup is not None and self._cache is not None:
-            self._cache.store_later(lookup, result.body)
+            stored = self._cache.store_later(lookup, result.body)
             headers.update(lookup.headers)
+        if flight is not None:
+            self.flights.resolve(flight, result.body, linger=stored)
         return Response(raw, media_type="application/json", headers=headers)
 
+    async def _follow(self, call: Call, started: float, prepared: Prepared, lookup: Lookup,
+                      flight: Flight) -> Response:
+        """Answer from the leader of an identical request in flight, as a cache hit would be."""
+        assert self._cache is not None
+        try:
+            answer = await self.flights.wait(flight)
+        except GatewayError as exc:
+            self._record(call, started, status=exc.status_code, error=exc, cache=HIT_INFLIGHT)
+            raise
+        if answer is None:  # the leader turned into another request (compaction): go on our own
+            return await self.forward(call)
+        lookup.answer, lookup.status = answer, HIT_INFLIGHT
+        self._record(call, started, status=200, usage=lookup.hit_usage, ttfb_s=time.perf_counter(),
+                     cache=lookup.status)
+        response = self._cache.replay(lookup, stream=call.stream, include_usage=call.include_usage,
+                                      request_id=call.request_id)
+        response.headers.update(prepared.headers)
+        return response
+
     async def _forward_stream(self, call: Call, started: float, prepared: Prepared,
-                              lookup: Lookup | None = None) -> Response:
+                              lookup: Lookup | None = None, flight: Flight | None = None) -> Response:
         def open_on(backend: Backend) -> Any:
             return backend.post_stream(call.path, _stream_body(call, backend), salt=tenant_salt(call.principal.tenant))
 
@@ -117,16 +188,18 @@ class Proxy:
         backend = route.backend
 
         def annotate(usage: dict[str, Any]) -> dict[str, Any]:
-            return self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)[0]
+            return annotate_usage(self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)[0],
+                                  call.condensed)
 
         def rewrite_usage_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
             # The headers left before the usage was known: the chunk says where its numbers came from.
             usage, accounted = self._accountant.finish(backend.name, call.model, chunk["usage"], route.matched_tokens)
-            return {**chunk, "usage": usage, "kvgate": {"usage_source": accounted.source}}
+            usage = annotate_usage(usage, call.condensed)
+            return {**chunk, "usage": usage, "kvgate": {"usage_source": accounted.source, **_compaction_field(call)}}
 
         outcome = StreamOutcome(started_s=started)
         storing = lookup is not None and self._cache is not None and lookup.controls.write
-        if storing:
+        if storing or flight is not None:
             outcome.chunks = []
         drop_usage = not call.include_usage
 
@@ -150,24 +223,61 @@ class Proxy:
                     call, started, status=status, backend=backend, usage=usage,
                     ttfb_s=outcome.first_byte_s, error=error, cache=lookup.status if lookup else None,
                 )
-                # Only a stream that reached [DONE] without an error is an answer worth keeping.
-                if storing and outcome.completed and error is None and lookup and self._cache:
-                    self._cache.store_later(lookup, assemble_stream(outcome.chunks or [], outcome.usage))
+                keep()
+                if flight is not None:  # no complete answer came: the waiters fail with this one
+                    self.flights.fail(flight, error or UpstreamError(
+                        "the identical request this one waited for ended before its answer was complete"))
+
+        kept = False
+
+        def keep() -> None:
+            """Only a stream that reached [DONE] without an error is an answer worth keeping. Runs
+            before [DONE] is sent, so that a client asking again the moment it has read [DONE]
+            is served from the cache (issue 15); the requests waiting on this one get it then too."""
+            nonlocal kept
+            if kept or not outcome.completed or outcome.error is not None:
+                return
+            kept = True
+            answer = assemble_stream(outcome.chunks or [], outcome.usage)
+            stored = None
+            if storing and lookup and self._cache:
+                stored = self._cache.store_later(lookup, answer)
+            if flight is not None and answer is not None:
+                self.flights.resolve(flight, answer, linger=stored)
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for event in relay_stream(stream, outcome, drop_usage_chunk=drop_usage,
                                                 rewrite_usage_chunk=rewrite_usage_chunk):
+                    if outcome.completed:
+                        keep()
                     yield event
             finally:
                 with anyio.CancelScope(shield=True):
                     await finish()
 
         headers = {**SSE_HEADERS, "x-request-id": call.request_id, **prepared.headers,
-                   **(lookup.headers if lookup else {})}
+                   **(lookup.headers if lookup else {}), **_compaction_headers(call),
+                   **condense_headers(call.condensed)}
         if (source := self._accountant.source_for(backend.name)) is not None:
             headers["x-kvgate-usage-source"] = source
         return RelayResponse(events(), finish, media_type="text/event-stream", headers=headers)
+
+    async def _compact_and_forward(self, call: Call, request: JSONObject, prepared: Prepared) -> Response:
+        """Summarise the conversation behind the same prefix, then forward it continued from the
+        summary (pipeline/compaction.py says why this keeps the upstream's prefix cache)."""
+        result, route = await self._router.call(
+            call.model, lambda b: b.post_json(call.path, request, salt=tenant_salt(call.principal.tenant)),
+            blocks=prepared.blocks,
+        )
+        self._router.release(route)
+        usage, _ = self._accountant.finish(route.backend.name, call.model, result.body.get("usage"),
+                                           route.matched_tokens)
+        summary = summary_text(result.body)
+        body, replaced = continued_request(call.body, summary)
+        call.body, call.compact = body, False
+        call.compaction = Compaction(summary=summary, replaced_messages=replaced, usage=usage)
+        return await self.forward(call)
 
     def _record(
         self,
@@ -202,6 +312,7 @@ class Proxy:
                 error_type=(error.code or error.error_type) if error else None,
                 cache=cache,
                 cache_creation_tokens=_int_or_none(usage.get("cache_creation_input_tokens")),
+                condensed_from_tokens=condensed_from(usage),
             )
         )
 
@@ -220,6 +331,14 @@ class RelayResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._finish()
+
+
+def _compaction_headers(call: Call) -> dict[str, str]:
+    return {"x-kvgate-compacted": str(call.compaction.replaced_messages)} if call.compaction else {}
+
+
+def _compaction_field(call: Call) -> dict[str, Any]:
+    return {"compaction": call.compaction.report()} if call.compaction else {}
 
 
 def _stream_body(call: Call, backend: Backend) -> JSONObject:

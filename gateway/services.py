@@ -8,10 +8,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from gateway.persistence.keys import KeyStore
 from gateway.persistence.request_log import RequestLogWriter
+from gateway.pipeline.embeddings import EmbeddingCache
+from gateway.pipeline.native import NativeRoute
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import ResponseCache
 from gateway.settings import Settings
 from gateway.upstream.router import Router
+from gateway.usage.cache_writes import CacheWriteTracker
 
 
 @dataclass(slots=True)
@@ -24,3 +27,8 @@ class Services:
     router: Router
     proxy: Proxy
     response_cache: ResponseCache | None = None
+    native_messages: NativeRoute | None = None
+    native_responses: NativeRoute | None = None
+    # Anthropic prompt-cache writes never read (GET /admin/provider-cache/writes).
+    cache_writes: CacheWriteTracker | None = None
+    embedding_cache: EmbeddingCache | None = None

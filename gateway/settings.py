@@ -8,8 +8,7 @@ The CLI flags of `kvgate serve` override the same fields.
 from __future__ import annotations
 
 import ipaddress
-from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -18,9 +17,15 @@ from gateway.canonical.settings import CanonicalSettings
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
+from gateway.pipeline.compaction import CompactionSettings
+from gateway.pipeline.settings import CondenseSettings
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.upstream.settings import RoutingSettings
-from gateway.usage.settings import UsageSettings
+from gateway.usage.settings import Price, UsageSettings
+
+# The model id of the embedded default's `/v1/embeddings` (gateway/engine/embeddings.py imports it
+# from here: that module imports torch, this one must not).
+LOCAL_EMBEDDING_MODEL_ID = "multilingual-e5-small"
 
 
 class UpstreamSettings(BaseModel):
@@ -32,9 +37,18 @@ class UpstreamSettings(BaseModel):
     models: list[str] = Field(default_factory=list)
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
+    # Idle pooled connections are closed after this long: below the upstream's own keep-alive timeout
+    # (uvicorn, and so vLLM and SGLang, close idle connections after 5 s), or reuse races its close.
+    keepalive_timeout_s: float = Field(default=4.0, gt=0)
     inject_stream_usage: bool = True
     # A kvgate engine (`kvgate engine`): send it the tenant's KV salt so tenants keep separate blocks.
     send_cache_salt: bool = False
+    # "anthropic": an Anthropic-style API (x-api-key auth); /v1/messages is forwarded to it unchanged.
+    api: Literal["openai", "anthropic"] = "openai"
+    # Speaks OpenAI's /v1/responses itself: Responses requests are forwarded, not translated.
+    responses_api: bool = False
+    # Forward prompt_cache_key and cache_salt; false for upstreams that reject fields they do not know.
+    prompt_cache_fields: bool = True
 
     @field_validator("base_url")
     @classmethod
@@ -64,6 +78,11 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=0, le=65535)
     database_url: str = "sqlite+aiosqlite:///kvgate.db"
     auto_migrate: bool = True
+    # PostgreSQL pool. Background writers (request log, response-cache store) hold one connection
+    # each at most, so requests keep the rest.
+    db_pool_size: int = Field(default=10, ge=1)
+    db_max_overflow: int = Field(default=20, ge=0)
+    db_pool_timeout_s: float = Field(default=30.0, gt=0)
     no_auth: bool = False
     admin_key: str | None = None
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
@@ -74,6 +93,8 @@ class Settings(BaseSettings):
     log_prompts: bool = False
     request_log_batch: int = Field(default=256, gt=0)
     key_cache_ttl_s: float = 30.0
+    # Give requests with x-kvgate-session and no prompt_cache_key one derived from tenant and session.
+    derive_prompt_cache_key: bool = False
     canonical: CanonicalSettings = Field(default_factory=CanonicalSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     usage: UsageSettings = Field(default_factory=UsageSettings)
@@ -81,6 +102,8 @@ class Settings(BaseSettings):
     kvcache: KVCacheSettings = Field(default_factory=KVCacheSettings)
     responsecache: ResponseCacheSettings = Field(default_factory=ResponseCacheSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    compaction: CompactionSettings = Field(default_factory=CompactionSettings)
+    condense: CondenseSettings = Field(default_factory=CondenseSettings)
 
     @field_validator("upstream", mode="before")
     @classmethod
@@ -100,6 +123,15 @@ class Settings(BaseSettings):
         self.upstream = []
         return self
 
+    def price_for(self, model: str | None) -> Price | None:
+        """The configured price of a model; the default price for other remote models; None (not
+        priced) for the built-in engine's models, which run locally and cost nothing per token."""
+        if model is not None and model in self.usage.prices:
+            return self.usage.prices[model]
+        if model in (self.engine.served_model_name, LOCAL_EMBEDDING_MODEL_ID):
+            return None
+        return self.usage.default_price
+
     def is_loopback(self) -> bool:
         if self.host == "localhost":
             return True
@@ -107,8 +139,3 @@ class Settings(BaseSettings):
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
-
-    @property
-    def sqlite_path(self) -> Path | None:
-        prefix = "sqlite+aiosqlite:///"
-        return Path(self.database_url[len(prefix):]) if self.database_url.startswith(prefix) else None

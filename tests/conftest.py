@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
 import os
 import secrets
 from collections.abc import Iterator
@@ -13,7 +15,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from gateway.api.http_protocol import GatewayHttpProtocol
 from gateway.app import create_app
+from gateway.observability.logging import JsonFormatter, RedactingFilter
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade
 from gateway.persistence.keys import create_key
 from gateway.settings import Settings, UpstreamSettings
@@ -24,6 +28,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 PG_ADMIN_DSN = os.environ.get("KVGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+# Prompt text that tests send through the gateway; it must never reach a log line.
+PROMPT_SENTINEL = "quixotic-heliotrope-sentinel"
+UPSTREAM_SECRET = "sk-upstream-secret"
+ADMIN_SECRET = "admin-test-key"
+# Every gateway key the tests create: none may reach a log line either.
+CREATED_KEYS: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_secrets_in_logs() -> Iterator[io.StringIO]:
+    """Every log line of the whole session, written the way `kvgate serve` writes them (JSON, the
+    scrubber on), is checked at the end: no prompt sentinel, no key, no upstream or admin secret."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    handler.addFilter(RedactingFilter([UPSTREAM_SECRET, ADMIN_SECRET]))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger()
+    old_level = root.level
+    root.setLevel(min(old_level or logging.WARNING, logging.INFO))
+    root.addHandler(handler)
+    try:
+        yield out
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    text = out.getvalue()
+    leaked = [s for s in (PROMPT_SENTINEL, UPSTREAM_SECRET, ADMIN_SECRET, *CREATED_KEYS) if s in text]
+    assert not leaked, f"{len(leaked)} secret(s) or prompt sentinel found in the session's log lines"
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +118,9 @@ def new_key(database_url: str, tenant: str) -> str:
         finally:
             await engine.dispose()
 
-    return asyncio.run(run())
+    key = asyncio.run(run())
+    CREATED_KEYS.append(key)
+    return key
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgres"])
@@ -101,13 +136,13 @@ def gateway(
 
 
 def start_gateway(fake_upstream: str, database_url: str, **overrides: object) -> Iterator[Gateway]:
-    os.environ["KVGATE_TEST_UPSTREAM_KEY"] = "sk-upstream-secret"
+    os.environ["KVGATE_TEST_UPSTREAM_KEY"] = UPSTREAM_SECRET
     fake = UpstreamSettings(name="fake", base_url=fake_upstream + "/v1", api_key_env="KVGATE_TEST_UPSTREAM_KEY",
                             read_timeout_s=2.0)
-    options: dict[str, object] = {"upstreams": [fake], "admin_key": "admin-test-key", "max_body_bytes": 64 * 1024}
+    options: dict[str, object] = {"upstreams": [fake], "admin_key": ADMIN_SECRET, "max_body_bytes": 64 * 1024}
     settings = Settings(_env_file=None, database_url=database_url, **{**options, **overrides})  # type: ignore[arg-type]
     key = new_key(database_url, "team-a")
-    with serve_in_thread(create_app(settings)) as url:
+    with serve_in_thread(create_app(settings), http=GatewayHttpProtocol) as url:
         yield Gateway(url, key, database_url, settings)
 
 

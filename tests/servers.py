@@ -19,15 +19,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
+def serve_in_thread(app: Any, port: int | None = None, start_timeout_s: float = 60.0,
+                    http: Any = "auto") -> Iterator[str]:
     """Yield the server's base URL (`http://127.0.0.1:PORT`) once it accepts connections."""
     port = port or free_port()
+    # log_config=None: uvicorn's loggers propagate to the root logger, where the session-wide log
+    # check of tests/conftest.py reads every line.
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                            lifespan="on")
+                            lifespan="on", log_config=None, http=http)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + start_timeout_s
     while not server.started:
         if not thread.is_alive():
             raise RuntimeError("server thread exited during start-up")

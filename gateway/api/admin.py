@@ -8,13 +8,16 @@ from starlette.responses import Response
 from gateway.api.body import read_json
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.responses import json_response
-from gateway.errors import InvalidField, NotFound, PermissionDenied
+from gateway.errors import InvalidField, InvalidRequest, NotFound, PermissionDenied
 from gateway.persistence.keys import Principal
 from gateway.responsecache.cache import ResponseCache
 from gateway.responsecache.store import PurgeFilter
 from gateway.services import Services
 
 router = APIRouter(prefix="/admin")
+# The columns a purge filters on (persistence/models.py): a longer value cannot match anything, and
+# PostgreSQL rejects it (or a NUL) with an error, which must be the client's 400, not a 500.
+PURGE_FIELD_CHARS = {"tenant": 128, "namespace": 128, "model": 256}
 
 
 def _cache(services: Services, principal: Principal) -> ResponseCache:
@@ -34,6 +37,9 @@ async def purge(request: Request, services: ServicesDep, principal: PrincipalDep
     for name, value in fields.items():
         if not isinstance(value, str) or not value:
             raise InvalidField(f"{name}: expected a non-empty string", param=name)
+        limit = PURGE_FIELD_CHARS[name]
+        if len(value) > limit or not value.isprintable():
+            raise InvalidRequest(f"{name}: at most {limit} printable characters", param=name, code="invalid_value")
     if not fields and body.get("all") is not True:
         raise InvalidField("give tenant, namespace and/or model, or {\"all\": true} to purge everything")
     deleted = await cache.purge(PurgeFilter(**fields))
@@ -42,4 +48,35 @@ async def purge(request: Request, services: ServicesDep, principal: PrincipalDep
 
 @router.get("/response-cache/stats")
 async def stats(services: ServicesDep, principal: PrincipalDep) -> Response:
-    return json_response(_cache(services, principal).stats())
+    cache = _cache(services, principal)
+    return json_response({**cache.stats(), "entries_never_read": await cache.count_never_read()})
+
+
+@router.post("/response-cache/delete")
+async def delete_entry(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+    """Body: `{"id": N}` (the `x-kvgate-cache-id` of a hit) or `{"key": K}` (`x-kvgate-cache-key`)."""
+    cache = _cache(services, principal)
+    body = await read_json(request, services.settings.max_body_bytes)
+    entry_id, key = body.get("id"), body.get("key")
+    if isinstance(entry_id, int) and not isinstance(entry_id, bool) and key is None:
+        return json_response({"deleted": await cache.delete(entry_id=entry_id), "id": entry_id})
+    if isinstance(key, str) and key and entry_id is None:
+        return json_response({"deleted": await cache.delete(key=key), "key": key})
+    raise InvalidField("give an integer id or a key string (one of them)")
+
+
+@router.delete("/response-cache/entries/{entry_id}")
+async def delete_by_id(entry_id: int, services: ServicesDep, principal: PrincipalDep) -> Response:
+    deleted = await _cache(services, principal).delete(entry_id=entry_id)
+    if not deleted:
+        raise NotFound(f"no cache entry {entry_id}")
+    return json_response({"deleted": deleted, "id": entry_id})
+
+
+@router.get("/provider-cache/writes")
+async def provider_cache_writes(services: ServicesDep, principal: PrincipalDep) -> Response:
+    """Anthropic prompt-cache writes seen on native /v1/messages, and how many were never read."""
+    if not principal.is_admin:
+        raise PermissionDenied("this route needs the admin key")
+    tracker = services.cache_writes
+    return json_response(tracker.summary() if tracker is not None else {})

@@ -1,4 +1,5 @@
-"""Bearer-key authentication: every /v1 route resolves its key to a tenant."""
+"""Bearer-key authentication: every /v1 route resolves its key to a tenant. `x-api-key` (what the
+anthropic SDK sends) is read when there is no `Authorization` header."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ async def authenticate(request: Request) -> Principal:
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     key = key.strip()
+    if not header and (api_key := request.headers.get("x-api-key", "").strip()):
+        # The anthropic SDK's own header: its users set only `api_key` and `base_url`.
+        scheme, key = "bearer", api_key
     if scheme.lower() != "bearer" or not key:
-        raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'")
+        raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
     principal = await services.keys.resolve(key)
     if principal is None:
         raise AuthenticationFailed("Incorrect API key provided")

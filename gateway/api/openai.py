@@ -10,6 +10,9 @@ from starlette.responses import Response
 from gateway.api.body import read_json, validate
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.responses import json_response
+from gateway.canonical.prompt_cache import with_prompt_cache_key
+from gateway.pipeline.compaction import opted_in
+from gateway.pipeline.condense import read_condense
 from gateway.proxy import Call
 from gateway.responsecache.controls import read_controls
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -28,13 +31,19 @@ def request_id(request: Request) -> str:
 @router.post("/chat/completions")
 async def chat_completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
+    condense = read_condense(request.headers, body, services.settings.condense, principal.tenant,
+                             body.get("model") if isinstance(body.get("model"), str) else None)
+    compact = opted_in(request.headers, body)
     controls = read_controls(request.headers, body)
     parsed = validate(ChatCompletionRequest, body)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+    body = with_prompt_cache_key(body, principal.tenant, request.headers.get("x-kvgate-session"),
+                                 derive=services.settings.derive_prompt_cache_key)
     call = Call(
         request_id(request), principal, "chat.completions", "/chat/completions", parsed.model, body,
         stream=parsed.stream, include_usage=include_usage, cache=controls,
-        session=request.headers.get("x-kvgate-session"),
+        session=request.headers.get("x-kvgate-session"), condense=condense,
+        compact=compact if compact is not None else principal.tenant in services.settings.compaction.tenants,
     )
     return await services.proxy.forward(call)
 
@@ -42,11 +51,13 @@ async def chat_completions(request: Request, services: ServicesDep, principal: P
 @router.post("/completions")
 async def completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
+    controls = read_controls(request.headers, body)
     parsed = validate(CompletionRequest, body)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     call = Call(
         request_id(request), principal, "completions", "/completions", parsed.model, body,
-        stream=parsed.stream, include_usage=include_usage, session=request.headers.get("x-kvgate-session"),
+        stream=parsed.stream, include_usage=include_usage, cache=controls,
+        session=request.headers.get("x-kvgate-session"),
     )
     return await services.proxy.forward(call)
 
@@ -54,8 +65,12 @@ async def completions(request: Request, services: ServicesDep, principal: Princi
 @router.post("/embeddings")
 async def embeddings(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
+    controls = read_controls(request.headers, body)
     parsed = validate(EmbeddingRequest, body)
-    call = Call(request_id(request), principal, "embeddings", "/embeddings", parsed.model, body)
+    call = Call(request_id(request), principal, "embeddings", "/embeddings", parsed.model, body, cache=controls)
+    if services.embedding_cache is not None:
+        return await services.embedding_cache.forward(call)
+    call.cache = None
     return await services.proxy.forward(call)
 
 

@@ -11,10 +11,12 @@ from typing import Any
 
 import orjson
 
-from gateway.engine.runner import EngineWorker, Generation, GenerationResult
+from gateway.engine.runner import Generation, GenerationResult
 from gateway.engine.sampling import SamplingParams
+from gateway.engine.scheduler import EngineWorker
 from gateway.engine.settings import EngineSettings
 from gateway.errors import InvalidRequest, RateLimited
+from gateway.settings import LOCAL_EMBEDDING_MODEL_ID
 from gateway.upstream.backend import JSONObject, UpstreamJSON
 from gateway.upstream.sse import encode_done, encode_event
 
@@ -57,7 +59,14 @@ class EngineBackend:
     def _prompt_ids(self, path: str, body: JSONObject) -> list[int]:
         if path == CHAT:
             if body.get("tools") and body.get("tool_choice") != "none":
-                raise InvalidRequest("the built-in engine's model does not support tools", param="tools")
+                # SmolLM2-135M-Instruct's chat template has no tool syntax and the model was not
+                # trained to call tools: a refusal is honest, a made-up call format would not be.
+                raise InvalidRequest(
+                    f"the built-in engine's model ({self.model_id}) cannot call tools: its chat template has no "
+                    "tool syntax. Send requests with tools to an upstream that supports them "
+                    "(kvgate serve --upstream NAME=BASE_URL), or set tool_choice to 'none'",
+                    param="tools", code="tools_not_supported",
+                )
             messages = [{"role": m.get("role"), "content": _text_of(m.get("content"))} for m in body["messages"]]
             rendered = self._tokenizer.apply_chat_template(  # type: ignore[attr-defined]
                 messages, add_generation_prompt=True, tokenize=True
@@ -74,6 +83,9 @@ class EngineBackend:
         raise InvalidRequest("the built-in engine takes one prompt per request", param="prompt")
 
     def _generation(self, path: str, body: JSONObject, salt: str) -> Generation:
+        if path not in (CHAT, COMPLETIONS):
+            raise InvalidRequest(f"{self.model_id} is a chat model and cannot serve {path}; for embeddings ask for "
+                                 f"model {LOCAL_EMBEDDING_MODEL_ID!r}", param="model")
         if (body.get("n") or 1) != 1:
             raise InvalidRequest("the built-in engine supports n=1 only", param="n")
         prompt_ids = self._prompt_ids(path, body)

@@ -1,31 +1,48 @@
-"""One generation on the model, with its prompt prefix restored from the tiered KV cache.
+"""Generations on the model, their prompt prefix restored from the tiered KV cache.
 
-lookup -> restore (whole, or layer by layer for long prefixes) -> prefill only the uncached
-suffix -> decode -> store every new full block, the answer's included, so that the next turn of
-a conversation finds the previous turn in cache.
+A generation goes: `initial_cache` (a prefix restore, or a cache handed in, e.g. by chunk fusion)
+-> `start` (a running `Sequence`) -> `step` (shared with other sequences: prefill chunks and decode
+tokens of several sequences in one forward pass, see `batch.py`) until done -> `finish` (its new
+full blocks, the answer's included, go to the write-behind queue, so that the next turn of a
+conversation finds the previous turn in cache and nobody waits for the write).
 
-Runs on one worker thread (torch releases the GIL while it computes); the asyncio side talks to
-it through `EngineWorker`.
+`run` drives one generation alone on the calling thread; the batch scheduler (`scheduler.py`)
+drives many on its model thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from gateway.engine.batch import RAGGED, Segment, forward_segments, install
 from gateway.engine.model import LoadedModel
 from gateway.engine.prefetch import layerwise_cache
 from gateway.engine.sampling import Sampler, SamplingParams, TextStream
 from gateway.kvcache.blocks import LoadedPrefix, stack_layers
 from gateway.kvcache.errors import KVCacheError
 from gateway.kvcache.manager import KVCacheManager
+from gateway.kvcache.writebehind import WriteBehindQueue
+
+
+@dataclass(slots=True)
+class InitialCache:
+    """Where a sequence starts: a model cache covering its first `num_tokens` prompt positions.
+
+    A prefix restore builds one (`ModelRunner.initial_cache`); a caller may hand one in instead
+    (`Generation.initial`, e.g. chunk fusion), and the sequence prefills from `num_tokens` on.
+    `restored_from` names the tier of each restored block (empty when not restored)."""
+
+    cache: Cache
+    num_tokens: int
+    restored_from: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -35,6 +52,7 @@ class Generation:
     salt: str = ""
     on_text: Callable[[str], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    initial: InitialCache | None = None
 
 
 @dataclass(slots=True)
@@ -47,27 +65,68 @@ class GenerationResult:
     cache_creation_tokens: int
     restored_from: list[str] = field(default_factory=list)
     prefill_s: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A generation in flight: its cache, the tokens it still has to feed, what it produced."""
+
+    gen: Generation
+    cache: Cache
+    num_cached: int
+    restored_from: list[str]
+    sampler: Sampler
+    text: TextStream
+    started: float
+    pending: list[int]
+    generated: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    prefill_s: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.generated
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, kv: KVCacheManager | None, *, layerwise_min_tokens: int) -> None:
+    def __init__(self, loaded: LoadedModel, kv: KVCacheManager | None, *, layerwise_min_tokens: int,
+                 writer: WriteBehindQueue | None = None, read_wait_s: float = 0.0) -> None:
+        """`read_wait_s`: how long a restore waits for a pending store of the same conversation."""
         self.loaded = loaded
         self.kv = kv
+        self.writer = writer
+        self.read_wait_s = read_wait_s
         self.layerwise_min_tokens = layerwise_min_tokens
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-layer-loader")
+        if getattr(loaded.model.config, "_attn_implementation", None) != RAGGED:
+            install(loaded.model)
 
     # ------------------------------------------------------------------ restore
 
-    def _restore(self, gen: Generation) -> tuple[Cache, int, list[str]]:
-        """The model cache holding the longest restorable prefix, its length and source tiers.
+    def empty_cache(self) -> Cache:
+        return DynamicCache(config=self.loaded.model.config)  # type: ignore[arg-type]
 
-        At least the last prompt token is always recomputed: its logits start the answer."""
+    def initial_cache(self, gen: Generation, *, layerwise: bool = True) -> InitialCache:
+        """The cache a generation starts from: the one it carries, else the longest restorable
+        prefix. At least the last prompt token is always recomputed: its logits start the answer."""
+        if gen.initial is not None:
+            return gen.initial
+        empty = InitialCache(self.empty_cache(), 0)
         if self.kv is None:
-            return DynamicCache(), 0, []
+            return empty
         block_size = self.kv.keyer.block_size
         usable = (len(gen.prompt_ids) - 1) // block_size * block_size
         if usable == 0:
-            return DynamicCache(), 0, []
+            return empty
+        if self.writer is not None and self.read_wait_s:
+            self.writer.wait_for_prefix(gen.salt, gen.prompt_ids[:usable], self.read_wait_s)
         try:
             found = self.kv.lookup(gen.salt, gen.prompt_ids[:usable], pin=True)
             try:
@@ -75,17 +134,17 @@ class ModelRunner:
             finally:
                 self.kv.release(found)
         except KVCacheError:
-            return DynamicCache(), 0, []
+            return empty
         if prefix is None or prefix.num_tokens == 0:
-            return DynamicCache(), 0, []
+            return empty
         tiers = found.tiers[: prefix.num_tokens // block_size]
-        if prefix.num_tokens >= self.layerwise_min_tokens:
-            return self._layerwise(prefix), prefix.num_tokens, tiers
+        if layerwise and prefix.num_tokens >= self.layerwise_min_tokens:
+            return InitialCache(self._layerwise(prefix), prefix.num_tokens, tiers)
         kv = prefix.kv()
         assert kv is not None
         device = self.loaded.device
         layers = [(kv[i, 0][None].to(device), kv[i, 1][None].to(device)) for i in range(kv.shape[0])]
-        return DynamicCache(ddp_cache_data=layers), prefix.num_tokens, tiers
+        return InitialCache(DynamicCache(ddp_cache_data=layers), prefix.num_tokens, tiers)
 
     def _layerwise(self, prefix: LoadedPrefix) -> Cache:
         device = self.loaded.device
@@ -98,69 +157,117 @@ class ModelRunner:
 
         return layerwise_cache(self.loaded.num_layers, prefix.num_tokens, produce, self._loader)
 
-    # ------------------------------------------------------------------ generate
+    # ------------------------------------------------------------------ sequences
 
-    @torch.inference_mode()
-    def run(self, gen: Generation) -> GenerationResult:
-        model, device = self.loaded.model, self.loaded.device
-        started = time.perf_counter()
-        cache, num_cached, tiers = self._restore(gen)
-        suffix = torch.tensor([gen.prompt_ids[num_cached:]], device=device)
-        logits = model(input_ids=suffix, cache=cache, use_cache=True).logits[0, -1]
-        prefill_s = time.perf_counter() - started
-
-        sampler = Sampler(gen.params, device)
-        text = TextStream(self.loaded.tokenizer, gen.params.stop)
-        generated: list[int] = []
-        finish_reason = "length"
-        eos = set(self.loaded.eos_token_ids)
-        while len(generated) < gen.params.max_tokens and not gen.cancelled.is_set():
-            token = sampler(logits)
-            generated.append(token)
-            if token in eos:
-                finish_reason = "stop"
-                break
-            piece = text.push(token)
-            if piece and gen.on_text:
-                gen.on_text(piece)
-            if text.stopped:
-                finish_reason = "stop"
-                break
-            if len(generated) == gen.params.max_tokens:
-                break
-            step = torch.tensor([[token]], device=device)
-            logits = model(input_ids=step, cache=cache, use_cache=True).logits[0, -1]
-        tail = text.finish()
-        if tail and gen.on_text:
-            gen.on_text(tail)
-
-        creation = self._store(gen, cache, generated, num_cached)
-        return GenerationResult(
-            text=text.text, finish_reason=finish_reason, prompt_tokens=len(gen.prompt_ids),
-            completion_tokens=len(generated), cached_tokens=num_cached, cache_creation_tokens=creation,
-            restored_from=tiers, prefill_s=prefill_s,
+    def start(self, gen: Generation, initial: InitialCache, started: float | None = None) -> Sequence:
+        return Sequence(
+            gen=gen, cache=initial.cache, num_cached=initial.num_tokens, restored_from=initial.restored_from,
+            sampler=Sampler(gen.params, self.loaded.device), text=TextStream(self.loaded.tokenizer, gen.params.stop),
+            started=time.perf_counter() if started is None else started,
+            pending=gen.prompt_ids[initial.num_tokens :],
         )
 
-    def _store(self, gen: Generation, cache: Cache, generated: list[int], num_cached: int) -> int:
+    @torch.inference_mode()
+    def step(self, seqs: Seq[Sequence], prefill_chunk_tokens: int | None = None) -> None:
+        """One forward pass: every decoding sequence feeds its last token, prefilling sequences
+        feed up to `prefill_chunk_tokens` prompt tokens between them (None: all they have)."""
+        budget = prefill_chunk_tokens
+        chosen: list[Sequence] = []
+        feeds: list[list[int]] = []
+        for seq in seqs:
+            if seq.done or not seq.pending:
+                continue
+            n = len(seq.pending)
+            if seq.prefilling and budget is not None:
+                n = min(n, budget)
+                if n <= 0:
+                    continue
+                budget -= n
+            chosen.append(seq)
+            feeds.append(seq.pending[:n])
+        if not chosen:
+            return
+        segments = [Segment(s.cache, len(f)) for s, f in zip(chosen, feeds, strict=True)]
+        logits = forward_segments(self.loaded.model, feeds, segments, self.loaded.device)
+        now = time.perf_counter()
+        eos = self.loaded.eos_token_ids
+        for row, seq, fed in zip(logits, chosen, feeds, strict=True):
+            del seq.pending[: len(fed)]
+            if seq.pending:
+                continue  # mid-prompt: the logits of a prefill chunk start nothing
+            if seq.prefilling:
+                seq.prefill_s = now - seq.started
+            self._take(seq, seq.sampler(row), now, eos)
+
+    def _take(self, seq: Sequence, token: int, now: float, eos: list[int]) -> None:
+        gen = seq.gen
+        seq.generated.append(token)
+        seq.token_times.append(now)
+        if token in eos:
+            seq.finish_reason = "stop"
+            return
+        piece = seq.text.push(token)
+        if piece and gen.on_text:
+            gen.on_text(piece)
+        if seq.text.stopped:
+            seq.finish_reason = "stop"
+        elif len(seq.generated) >= gen.params.max_tokens:
+            seq.finish_reason = "length"
+        else:
+            seq.pending.append(token)
+
+    def finish(self, seq: Sequence) -> GenerationResult:
+        """Flush held-back text, hand the new blocks to the store, and describe the generation."""
+        gen = seq.gen
+        if seq.finish_reason is None:
+            seq.finish_reason = "length"  # cancelled (or never started): what was produced so far
+        tail = seq.text.finish()
+        if tail and gen.on_text:
+            gen.on_text(tail)
+        creation = self._store(seq)
+        return GenerationResult(
+            text=seq.text.text, finish_reason=seq.finish_reason, prompt_tokens=len(gen.prompt_ids),
+            completion_tokens=len(seq.generated), cached_tokens=seq.num_cached, cache_creation_tokens=creation,
+            restored_from=seq.restored_from, prefill_s=seq.prefill_s, token_times=seq.token_times,
+            output_ids=seq.generated,
+        )
+
+    def run(self, gen: Generation) -> GenerationResult:
+        """One generation alone, on the calling thread (restore layer by layer where it pays)."""
+        started = time.perf_counter()
+        seq = self.start(gen, self.initial_cache(gen), started)
+        while not seq.done and not gen.cancelled.is_set():
+            self.step([seq])
+        return self.finish(seq)
+
+    # ------------------------------------------------------------------ store
+
+    def _store(self, seq: Sequence) -> int:
         """Store the new full blocks of prompt + answer; returns the prompt tokens newly cached."""
-        if self.kv is None or gen.cancelled.is_set():
+        gen = seq.gen
+        if self.kv is None or gen.cancelled.is_set() or gen.initial is not None:
             return 0
+        num_cached = seq.num_cached
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in cache.layers:
+        for layer in seq.cache.layers:
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if keys is None or values is None:
                 return 0
             # Only what this request computed: the restored prefix is in the cache already.
             layers.append((keys[..., num_cached:, :], values[..., num_cached:, :]))
         seq_len = num_cached + int(layers[0][0].shape[-2])
-        token_ids = (gen.prompt_ids + generated)[:seq_len]
+        token_ids = (gen.prompt_ids + seq.generated)[:seq_len]
         block_size = self.kv.keyer.block_size
         if seq_len // block_size * block_size <= num_cached:
             return 0
-        try:
-            self.kv.store(gen.salt, token_ids, stack_layers(layers), kv_start=num_cached)
-        except KVCacheError:
-            return 0
+        if self.writer is not None:
+            if not self.writer.submit(gen.salt, token_ids, layers, kv_start=num_cached):
+                return 0
+        else:
+            try:
+                self.kv.store(gen.salt, token_ids, stack_layers(layers), kv_start=num_cached)
+            except KVCacheError:
+                return 0
         return max(0, len(gen.prompt_ids) // block_size * block_size - num_cached)
 
     def measure_recompute_s_per_token(self, num_tokens: int = 128) -> float:
@@ -174,31 +281,3 @@ class ModelRunner:
 
     def close(self) -> None:
         self._loader.shutdown(wait=False)
-
-
-class EngineWorker:
-    """Queues generations for the single model thread, and bridges its text back to asyncio."""
-
-    def __init__(self, runner: ModelRunner, max_queue: int) -> None:
-        self.runner = runner
-        self.max_queue = max_queue
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvgate-engine")
-        self._pending = 0
-
-    @property
-    def num_pending(self) -> int:
-        return self._pending
-
-    def full(self) -> bool:
-        return self._pending >= self.max_queue
-
-    async def generate(self, gen: Generation) -> GenerationResult:
-        self._pending += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.run, gen)
-        finally:
-            self._pending -= 1
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self.runner.close()

@@ -9,12 +9,15 @@ import torch
 
 from gateway.engine.backend import EngineBackend
 from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.runner import EngineWorker, ModelRunner
+from gateway.engine.runner import ModelRunner
+from gateway.engine.scheduler import BatchScheduler, EngineWorker
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.blocks import BlockLayout
 from gateway.kvcache.factory import build_manager
 from gateway.kvcache.manager import KVCacheManager
+from gateway.kvcache.prefetch import PrefetchPlanner
 from gateway.kvcache.settings import KVCacheSettings
+from gateway.kvcache.writebehind import WriteBehindQueue
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +29,15 @@ class Engine:
     runner: ModelRunner
     worker: EngineWorker
     backend: EngineBackend
+    writer: WriteBehindQueue | None = None
+    planner: PrefetchPlanner | None = None
 
     def close(self) -> None:
         self.worker.close()
+        if self.planner is not None:
+            self.planner.close()
+        if self.writer is not None:
+            self.writer.close()
         if self.kv is not None:
             self.kv.close()
 
@@ -43,12 +52,42 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
         layout = BlockLayout(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, kv_settings.block_size,
                              loaded.dtype)
         kv = build_manager(kv_settings, model_id=loaded.model_id, layout=layout)
-    runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens)
+    writer = None
+    if kv is not None and kv_settings.write_behind_max_blocks:
+        writer = WriteBehindQueue(kv, max_pending_blocks=kv_settings.write_behind_max_blocks)
+    runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens, writer=writer,
+                         read_wait_s=kv_settings.write_behind_read_wait_s)
     recompute_s = runner.measure_recompute_s_per_token()
     if kv is not None:
         kv.recompute_s_per_token = recompute_s
     log.info("engine: %s on %s (%s), %d KV bytes per token, prefill %.2f ms per token, KV tiers %s",
              loaded.model_id, loaded.device, str(loaded.dtype).removeprefix("torch."), loaded.kv_bytes_per_token,
              recompute_s * 1000, kv.tier_names if kv else "off")
-    worker = EngineWorker(runner, settings.max_queue)
-    return Engine(loaded, kv, runner, worker, EngineBackend(worker, settings))
+    scheduler = BatchScheduler(runner, max_batch=settings.max_batch_sequences,
+                               prefill_chunk_tokens=settings.prefill_chunk_tokens)
+    planner = build_planner(kv, kv_settings, scheduler, writer)
+    worker = EngineWorker(runner, scheduler, settings.max_queue)
+    return Engine(loaded, kv, runner, worker, EngineBackend(worker, settings), writer, planner)
+
+
+def build_planner(kv: KVCacheManager | None, kv_settings: KVCacheSettings, scheduler: BatchScheduler,
+                  writer: WriteBehindQueue | None) -> PrefetchPlanner | None:
+    """Prefetch into host when there is a host tier with a slower tier below it; hooked into
+    the scheduler's admissions and turn ends."""
+    if kv is None or not kv_settings.prefetch_budget_bytes or "host" not in kv.tier_names[:-1]:
+        return None
+
+    def pressure() -> bool:
+        # Requests waiting for a slot, or stores piling up: the CPU is needed elsewhere.
+        backlog = writer is not None and writer.stats.num_pending_blocks > writer.max_pending_blocks // 2
+        return scheduler.num_waiting > 0 or backlog
+
+    planner = PrefetchPlanner(kv, budget_bytes=kv_settings.prefetch_budget_bytes,
+                              lead_s=kv_settings.prefetch_lead_s, pressure=pressure)
+    attach_planner(scheduler, planner)
+    return planner
+
+
+def attach_planner(scheduler: BatchScheduler, planner: PrefetchPlanner) -> None:
+    scheduler.on_admit = lambda gen: planner.turn_started(gen.salt, gen.prompt_ids)
+    scheduler.on_turn_end = lambda gen, result: planner.turn_ended(gen.salt, gen.prompt_ids + result.output_ids)

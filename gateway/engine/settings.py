@@ -28,6 +28,12 @@ class EngineSettings(BaseModel):
         default=0.0, ge=0, le=2, description="Temperature when the request gives none (0 = greedy)."
     )
     max_queue: int = Field(default=256, ge=1, description="Requests waiting for the model before 429.")
+    max_batch_sequences: int = Field(
+        default=16, ge=1, description="Sequences stepped together in one forward pass (continuous batching)."
+    )
+    prefill_chunk_tokens: int = Field(
+        default=256, ge=1, description="Prompt tokens prefilled per step while other sequences decode."
+    )
     layerwise_min_tokens: int = Field(
         default=1024, ge=0, description="Restore layer by layer, overlapped with compute, from this prefix length."
     )

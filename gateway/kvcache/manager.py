@@ -262,6 +262,38 @@ class KVCacheManager:
             if not held:
                 self._insert(k, h, block)
 
+    def prefetch(self, hashes: Sequence[BlockHash], target: str, should_stop: Callable[[], bool] = lambda: False,
+                 max_blocks: int | None = None) -> int:
+        """Copy the chain `hashes` into tier `target` from the slower tiers below it, block by
+        block in chain order, until a block is missing (the rest would be useless) or
+        `should_stop()`, or `max_blocks` were copied. Returns how many blocks were copied."""
+        if self.layout is None:
+            return 0
+        k = self.tier_names.index(target)
+        copied = 0
+        for h in hashes:
+            if should_stop() or (max_blocks is not None and copied >= max_blocks):
+                break
+            with self._lock:
+                if h in self._slots[k].sizes:
+                    continue
+                src = next((j for j in range(k + 1, len(self._slots))
+                            if self._slots[j].authoritative and h in self._slots[j].sizes), None)
+            if src is None:
+                src = next((j for j in range(k + 1, len(self._slots)) if not self._slots[j].authoritative
+                            and self._slots[j].tier.available and self._slots[j].tier.contains(h)), None)
+            block = None if src is None else self._fetch_run(src, [h])[0]
+            if block is None:
+                break
+            self._insert(k, h, block)
+            copied += 1
+            with self._lock:
+                # Marked as wanted, like a lookup would: a policy that evicts once-seen blocks
+                # first (S3-FIFO) would otherwise push out block j to make room for block j+1.
+                if h in self._slots[k].sizes:
+                    self._slots[k].policy.touch(h)
+        return copied
+
     # ----------------------------------------------------------------- store
 
     def store(self, tenant_salt: str, token_ids: Sequence[int] | np.ndarray, kv: torch.Tensor,

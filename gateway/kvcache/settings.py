@@ -74,6 +74,16 @@ class KVCacheSettings(BaseModel):
     eviction_policy: EvictionPolicyName = Field(
         default=EvictionPolicyName.S3FIFO, description="Eviction order inside each bounded tier."
     )
+    write_behind_max_blocks: int = Field(
+        default=512, ge=0, description="Blocks queued for the background writer before stores drop; 0 = inline."
+    )
+    write_behind_read_wait_s: float = Field(
+        default=5.0, ge=0, description="A restore waits this long for a pending store of its own conversation."
+    )
+    prefetch_budget_bytes: int = Field(
+        default=256 * _MIB, ge=0, description="Host bytes of next-turn blocks prefetched ahead of use; 0 = off."
+    )
+    prefetch_lead_s: float = Field(default=0.5, ge=0, description="Prefetch this long before a next turn is due.")
     skip_slow_tiers: bool = Field(default=True, description="Recompute instead of loading from a slower tier.")
 
     @field_validator("redis_url", "redis_capacity_bytes", "redis_ttl_s", mode="before")

@@ -41,11 +41,12 @@ if TYPE_CHECKING:
     from gateway.upstream.router import Router
 from gateway.usage.settings import Price
 
-PriceFor = Callable[[str | None], Price]
+PriceFor = Callable[[str | None], Price | None]  # None: the model is not priced
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_KINDS = ("prompt", "cached", "cache_creation", "completion")
-HIT_KINDS = {"hit-exact": "exact", "hit-semantic": "semantic"}
+# hit-inflight: answered from an identical request's upstream call (single-flight); it saved a call too.
+HIT_KINDS = {"hit-exact": "exact", "hit-semantic": "semantic", "hit-inflight": "inflight"}
 
 
 def multiprocess_dir() -> str | None:
@@ -88,7 +89,7 @@ class Metrics:
         self.cache_bypass = Counter("kvgate_response_cache_bypass",
                                     "Requests that skipped the response cache (cache controls)", registry=r)
         self.saved_tokens = Counter("kvgate_saved_tokens",
-                                    "Tokens not computed upstream, by source (response_cache, kv_cache)",
+                                    "Tokens not computed upstream, by source (response_cache, kv_cache, condensing)",
                                     ["source"], registry=r)
         self.saved_cost = Counter("kvgate_saved_cost_dollars",
                                   "Estimated cost saved, by source, at the configured prices",
@@ -131,12 +132,20 @@ class Metrics:
         if cache in HIT_KINDS:
             saved = counts["prompt"] + counts["completion"]
             self.saved_tokens.labels("response_cache").inc(saved)
-            self.saved_cost.labels("response_cache").inc(
-                (counts["prompt"] * price.input + counts["completion"] * price.output) / 1e6)
+            if price is not None:
+                self.saved_cost.labels("response_cache").inc(
+                    (counts["prompt"] * price.input + counts["completion"] * price.output) / 1e6)
         elif counts["cached"]:
             self.saved_tokens.labels("kv_cache").inc(counts["cached"])
-            discount = max(price.input - price.cached_input, 0.0)
-            self.saved_cost.labels("kv_cache").inc(counts["cached"] * discount / 1e6)
+            if price is not None:
+                discount = max(price.input - price.cached_input, 0.0)
+                self.saved_cost.labels("kv_cache").inc(counts["cached"] * discount / 1e6)
+        condensed = getattr(record, "condensed_from_tokens", None)
+        if condensed is not None and cache not in HIT_KINDS and condensed > counts["prompt"]:
+            # Tokens the small model cut from the prompt: never sent, so paid at the full input price.
+            self.saved_tokens.labels("condensing").inc(condensed - counts["prompt"])
+            if price is not None:
+                self.saved_cost.labels("condensing").inc((condensed - counts["prompt"]) * price.input / 1e6)
 
     def observe_prefix_break(self, reason: str, *, tenant: str, model: str | None = None,
                              block_index: int | None = None) -> None:
@@ -201,6 +210,8 @@ class LiveCollector(Collector):
                                     value=self.engine.worker.num_pending)
         if self.kv is not None:
             yield from kv_metrics(self.kv)
+        if self.engine is not None:
+            yield from engine_kv_work_metrics(self.engine)
 
 
 def upstream_metrics(router: Router) -> Iterator[Metric]:
@@ -271,6 +282,29 @@ def kv_metrics(kv: KVCacheManager) -> Iterator[Metric]:
         if block_bytes and tier.num_blocks and tier.used_bytes:
             families["ratio"].add_metric(labels, tier.num_blocks * block_bytes / tier.used_bytes)
     yield from families.values()
+
+
+def engine_kv_work_metrics(engine: Engine) -> Iterator[Metric]:
+    """The engine's background KV work: write-behind stores (and drops) and next-turn prefetch."""
+    writer = getattr(engine, "writer", None)
+    if writer is not None:
+        w = writer.stats
+        yield CounterMetricFamily("kvgate_kv_write_behind_written_blocks", "KV blocks written by the write-behind "
+                                  "queue", value=w.num_written_blocks)
+        yield CounterMetricFamily("kvgate_kv_write_behind_dropped_stores", "KV stores dropped because the "
+                                  "write-behind queue was full (decoding never waits for a store)",
+                                  value=w.num_dropped_stores)
+        yield CounterMetricFamily("kvgate_kv_write_behind_dropped_blocks", "KV blocks in dropped stores",
+                                  value=w.num_dropped_blocks)
+        yield GaugeMetricFamily("kvgate_kv_write_behind_pending_blocks", "KV blocks waiting to be written",
+                                value=w.num_pending_blocks)
+    planner = getattr(engine, "planner", None)
+    if planner is not None:
+        p = planner.stats
+        yield CounterMetricFamily("kvgate_kv_prefetched_blocks", "KV blocks promoted to host ahead of a "
+                                  "conversation's next turn", value=p.num_prefetched_blocks)
+        yield CounterMetricFamily("kvgate_kv_prefetch_cancelled", "Prefetches put off or stopped under "
+                                  "pressure", value=p.num_cancelled)
 
 
 def engine_metrics_response(engine: Engine) -> Response:

@@ -39,6 +39,14 @@ class Row:
     ttfb_ms: float | None
     total_ms: float
     cache: str | None
+    condensed_from_tokens: int | None = None
+
+    @property
+    def condensed_tokens(self) -> int:
+        """Prompt tokens the small model cut before the upstream read the prompt."""
+        if self.condensed_from_tokens is None or self.hit:
+            return 0
+        return max(self.condensed_from_tokens - self.prompt_tokens, 0)
 
     @property
     def ok(self) -> bool:
@@ -68,7 +76,7 @@ async def load_rows(sessions: async_sessionmaker, since: datetime, max_rows: int
     t = RequestLog
     query = (
         select(t.created_at, t.tenant, t.model, t.route, t.status, t.prompt_tokens, t.completion_tokens,
-               t.cached_tokens, t.cache_creation_tokens, t.ttfb_ms, t.total_ms, t.cache)
+               t.cached_tokens, t.cache_creation_tokens, t.ttfb_ms, t.total_ms, t.cache, t.condensed_from_tokens)
         .where(t.created_at >= since)
         .order_by(t.created_at.desc())
         .limit(max_rows)
@@ -85,7 +93,7 @@ async def load_rows(sessions: async_sessionmaker, since: datetime, max_rows: int
                 # Not reported: prompt tokens not read from a cache were computed, and cached.
                 creation = 0 if r.cache in HITS else max(prompt - cached, 0)
             rows.append(Row(created, r.tenant, r.model, r.route, r.status, prompt, r.completion_tokens or 0,
-                            cached, creation, r.ttfb_ms, r.total_ms, r.cache))
+                            cached, creation, r.ttfb_ms, r.total_ms, r.cache, r.condensed_from_tokens))
     rows.reverse()
     return rows
 
@@ -116,10 +124,16 @@ def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
     upstream_prompt = sum(r.prompt_tokens for r in upstream)
     hit_prompt = sum(r.prompt_tokens for r in ok if r.hit)
     hit_completion = sum(r.completion_tokens for r in ok if r.hit)
-    saved_response = sum(r.prompt_tokens * price_for(r.model).input + r.completion_tokens * price_for(r.model).output
-                         for r in ok if r.hit)
-    saved_kv = sum(r.cached_tokens * max(price_for(r.model).input - price_for(r.model).cached_input, 0.0)
-                   for r in upstream)
+    prices = {r.model: price_for(r.model) for r in ok}
+    # Rows of unpriced models (the built-in engine's) save no dollars; with no priced row at all
+    # the figure is null ("not priced"), not a $0 that reads like a measurement.
+    priced = any(p is not None for p in prices.values())
+    saved_response = sum(r.prompt_tokens * p.input + r.completion_tokens * p.output
+                         for r in ok if r.hit and (p := prices[r.model]) is not None)
+    saved_kv = sum(r.cached_tokens * max(p.input - p.cached_input, 0.0)
+                   for r in upstream if (p := prices[r.model]) is not None)
+    condensed = sum(r.condensed_tokens for r in ok)
+    saved_condensing = sum(r.condensed_tokens * p.input for r in ok if (p := prices[r.model]) is not None)
     ttft_hit = [r.ttfb_ms for r in ok if r.hit and r.ttfb_ms is not None]
     ttft_miss = [r.ttfb_ms for r in ok if not r.hit and r.ttfb_ms is not None]
     return {
@@ -137,10 +151,12 @@ def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
             "cache_creation": creation,
             "completion": sum(r.completion_tokens for r in ok),
         },
-        "tokens_saved": {"response_cache": hit_prompt + hit_completion, "kv_cache": cached},
+        "tokens_saved": {"response_cache": hit_prompt + hit_completion, "kv_cache": cached,
+                         "condensing": condensed},
         "cost_saved_usd": {
-            "response_cache": round(saved_response / 1e6, 6),
-            "kv_cache": round(saved_kv / 1e6, 6),
+            "response_cache": round(saved_response / 1e6, 6) if priced else None,
+            "kv_cache": round(saved_kv / 1e6, 6) if priced else None,
+            "condensing": round(saved_condensing / 1e6, 6) if priced else None,
         },
         "ttft_ms": {
             "cached": {"p50": percentile(ttft_hit, 50), "p95": percentile(ttft_hit, 95)},

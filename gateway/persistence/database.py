@@ -13,9 +13,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
 
-def make_engine(url: str) -> AsyncEngine:
+def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20, pool_timeout_s: float = 30.0) -> AsyncEngine:
+    """`hide_parameters`: a failed statement's error must never print its parameters, which hold
+    prompts and answers (response cache) or client-chosen strings (request log)."""
     if url.startswith("sqlite"):
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        engine = create_async_engine(url, connect_args={"timeout": 30}, hide_parameters=True)
 
         @event.listens_for(engine.sync_engine, "connect")
         def _pragmas(dbapi_conn, _record):
@@ -26,7 +28,17 @@ def make_engine(url: str) -> AsyncEngine:
             cursor.close()
 
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    return create_async_engine(url, pool_size=pool_size, max_overflow=max_overflow, pool_timeout=pool_timeout_s,
+                               pool_pre_ping=True, hide_parameters=True)
+
+
+def describe_db_error(exc: BaseException) -> str:
+    """A database error in words safe to log: its class and SQLSTATE, never its message, since
+    drivers quote the offending value (asyncpg: `invalid input for query argument $3: '...'`)."""
+    orig = getattr(exc, "orig", None) or exc
+    state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    name = f"{type(exc).__name__}({type(orig).__name__})" if orig is not exc else type(exc).__name__
+    return f"{name} sqlstate={state}" if state else name
 
 
 def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:

@@ -4,6 +4,10 @@
 at most one insert per `flush_interval_s`, so that the database costs a few statements a second
 however busy the gateway is. A full queue or a failing database drops rows (counted); it never
 delays or fails a response.
+
+Rows are made to fit their columns before they are written (strings clipped to the column's
+length, NUL removed: PostgreSQL text cannot hold it), and a batch that still fails is retried row
+by row, so one bad row costs only itself, never the other rows of its batch.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
-from sqlalchemy import insert
+from sqlalchemy import String, insert
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from gateway.persistence.database import describe_db_error
 from gateway.persistence.models import RequestLog
 
 log = logging.getLogger(__name__)
@@ -40,7 +46,31 @@ class RequestRecord:
     error_type: str | None = None
     cache: str | None = None
     cache_creation_tokens: int | None = None
+    condensed_from_tokens: int | None = None
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+def _string_limits() -> dict[str, int]:
+    return {c.name: c.type.length for c in RequestLog.__table__.columns
+            if isinstance(c.type, String) and c.type.length}
+
+
+_LIMITS = _string_limits()
+
+
+def fit_text(value: str, limit: int | None) -> str:
+    """`value` without NUL and other C0 controls, clipped to `limit` characters."""
+    if not value.isprintable():
+        value = "".join(ch for ch in value if ch >= " " or ch in "\t\n")
+    return value[:limit] if limit else value
+
+
+def column_values(row: RequestRecord) -> dict[str, Any]:
+    values = asdict(row)
+    for name, limit in _LIMITS.items():
+        if isinstance(values.get(name), str):
+            values[name] = fit_text(values[name], limit)
+    return values
 
 
 class RequestLogWriter:
@@ -105,10 +135,25 @@ class RequestLogWriter:
             await self._write(rows)
 
     async def _write(self, rows: list[RequestRecord]) -> None:
+        values = [column_values(r) for r in rows]
         try:
-            async with self._sessions() as session, session.begin():
-                await session.execute(insert(RequestLog), [asdict(r) for r in rows])
+            await self._insert(values)
             self.num_written += len(rows)
-        except Exception:
-            self.num_dropped += len(rows)
-            log.exception("request log: dropped %d rows", len(rows))
+            return
+        except Exception as exc:
+            if len(values) == 1:
+                self.num_dropped += 1
+                # The error's class only: its text would quote the row.
+                log.error("request log: dropped 1 row (%s)", describe_db_error(exc))
+                return
+        for one in values:
+            try:
+                await self._insert([one])
+                self.num_written += 1
+            except Exception as exc:
+                self.num_dropped += 1
+                log.error("request log: dropped 1 row of a failed batch (%s)", describe_db_error(exc))
+
+    async def _insert(self, values: list[dict[str, Any]]) -> None:
+        async with self._sessions() as session, session.begin():
+            await session.execute(insert(RequestLog), values)

@@ -7,6 +7,12 @@
 
 Memory (exact directory, answer LRU, FAISS index) is rebuilt from SQL at start and kept current by
 the change feed; SQL is the source of truth shared by every replica.
+
+Stores have their own budget: answers wait in a bounded queue and one writer task inserts them in
+batches, so the store path holds at most one database connection however many requests finish at
+once, and never starves requests of the pool (200 concurrent streams once exhausted a 30-connection
+pool and lost thousands of answers). Only answers that validate against the wire schema are
+queued (`validate.is_storable`).
 """
 
 from __future__ import annotations
@@ -23,22 +29,44 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from tqdm import tqdm
 
+from gateway.persistence.database import describe_db_error
 from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.embedder import Embedder
 from gateway.responsecache.exact import AnswerLRU, Directory
 from gateway.responsecache.feed import ChangeFeed
-from gateway.responsecache.index import SemanticIndex
-from gateway.responsecache.keys import ExactKey, PartitionKey, exact_key, is_trivial, last_user_text, partition_key
+from gateway.responsecache.index import Candidate, SemanticIndex
+from gateway.responsecache.keys import (
+    ExactKey,
+    PartitionKey,
+    exact_key,
+    is_trivial,
+    last_user_text,
+    partition_key,
+    public_key,
+)
+from gateway.responsecache.language import language_of
 from gateway.responsecache.replay import hit_usage, is_complete, replay_json, replay_sse
-from gateway.responsecache.semantic import best_match
+from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter
+from gateway.responsecache.validate import is_storable
 from gateway.responsecache.verifier import Verifier
 
 log = logging.getLogger(__name__)
 HIT_EXACT, HIT_SEMANTIC, MISS, BYPASS = "hit-exact", "hit-semantic", "miss", "bypass"
+# Answered from an identical request's upstream call that was in flight (single-flight).
+HIT_INFLIGHT = "hit-inflight"
+KINDS = {HIT_EXACT: "exact", HIT_SEMANTIC: "semantic", HIT_INFLIGHT: "inflight"}
+# Why a request that could have had a semantic lookup got the exact cache only (response header
+# `x-kvgate-semantic-skipped`); requests that opt out themselves (`x-kvgate-semantic: off`) get none.
+SKIP_SAMPLING, SKIP_TRIVIAL, SKIP_TOO_LONG, SKIP_LANGUAGE = "sampling", "trivial", "too-long", "language-not-validated"
 PROGRESS_MIN_ENTRIES = 10_000
 SWEEP_INTERVAL_S = 30.0
+STORE_BATCH = 128
+
+
+# An answer waiting for the writer: its lookup, the answer, its bytes, done once written or dropped.
+_Queued = tuple["Lookup", dict[str, Any], bytes, asyncio.Future[None]]
 
 
 @dataclass(slots=True)
@@ -56,6 +84,7 @@ class Lookup:
     answer: dict[str, Any] | None = None
     entry_id: int | None = None
     similarity: float | None = None
+    semantic_skipped: str | None = None
 
     @property
     def hit_usage(self) -> dict[str, Any] | None:
@@ -63,9 +92,15 @@ class Lookup:
 
     @property
     def headers(self) -> dict[str, str]:
-        headers = {"x-kvgate-cache": self.status}
+        """What happened, and the names of the entry: its id when one was served, its key always
+        (a miss's answer is stored under that key; DELETE it through the admin API by either)."""
+        headers = {"x-kvgate-cache": self.status, "x-kvgate-cache-key": public_key(self.key)}
+        if self.entry_id is not None:
+            headers["x-kvgate-cache-id"] = str(self.entry_id)
         if self.similarity is not None:
             headers["x-kvgate-similarity"] = f"{self.similarity:.4f}"
+        if self.semantic_skipped is not None:
+            headers["x-kvgate-semantic-skipped"] = self.semantic_skipped
         return headers
 
 
@@ -80,7 +115,16 @@ class ResponseCache:
         self._answers = AnswerLRU(settings.memory_entries)
         self._index = SemanticIndex()
         self._hits: Counter[int] = Counter()
-        self._pending: set[asyncio.Task[None]] = set()
+        self._store_queue: asyncio.Queue[_Queued] = asyncio.Queue(settings.max_store_queue)
+        self._writer: asyncio.Task[None] | None = None
+        self._writing = False
+        self.num_stored = 0
+        self.num_store_dropped = 0  # queue full or the database refused the row
+        self.num_store_rejected = 0  # failed the wire-schema check
+        # Answers handed to `store_later` whose SQL insert has not finished: served by exact key
+        # at once, so a client asking again right after the last byte hits (an insert may take
+        # seconds on a busy SQLite file).
+        self._storing: dict[ExactKey, tuple[dict[str, Any], float, Lookup]] = {}
         self._last_sweep = time.monotonic()
         self._feed = ChangeFeed(store, on_entries=self._add, on_purge=self._forget, on_tick=self._tick,
                                 poll_interval_s=settings.poll_interval_s, redis_url=settings.redis_url,
@@ -105,8 +149,10 @@ class ResponseCache:
         await self._feed.start(seen)
 
     async def stop(self) -> None:
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+        await self._drain_stores()
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
         await self._feed.stop()
         await self._flush_hits()
         if self._embedder is not None:
@@ -114,14 +160,16 @@ class ResponseCache:
 
     async def sync(self) -> None:
         """Read what other replicas wrote, now (tests, admin)."""
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+        await self._drain_stores()
         await self._feed.catch_up()
 
     def stats(self) -> dict[str, Any]:
         return {"entries": len(self._directory), "semantic_entries": len(self._index),
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
-                "verifier_threshold": self._verifier.threshold if self._verifier else None}
+                "stored": self.num_stored, "store_queue": self._store_queue.qsize(),
+                "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
+                "verifier_thresholds": {str(k): v for k, v in self._verifier.thresholds.items()} if self._verifier
+                else None}
 
     def _add(self, metas: list[EntryMeta]) -> None:
         now = time.time()
@@ -134,6 +182,11 @@ class ResponseCache:
     def _forget(self, scope: PurgeFilter) -> None:
         ids = [m.id for m in self._directory.by_id.values() if scope.matches(m)]
         self._remove(ids)
+        for key, (_, _, pending) in list(self._storing.items()):
+            if ((scope.tenant is None or pending.tenant == scope.tenant)
+                    and (scope.namespace is None or pending.controls.namespace == scope.namespace)
+                    and (scope.model is None or pending.model == scope.model)):
+                del self._storing[key]
 
     def _remove(self, ids: list[int]) -> None:
         for entry_id in ids:
@@ -154,18 +207,33 @@ class ResponseCache:
             await self._store.add_hits(hits)
 
     def semantic_allowed(self, tenant: str, body: dict[str, Any]) -> bool:
-        """Requests that sample (temperature > 0) want a fresh answer, not a neighbour's."""
+        """Requests that ask to sample (temperature > 0) want a fresh answer, not a neighbour's. A
+        request that sets no temperature (the openai SDK's default) counts as
+        `default_temperature`, 0 unless configured: it asked for no variety."""
         temperature = body.get("temperature")
-        if not isinstance(temperature, int | float):
+        if not isinstance(temperature, int | float) or isinstance(temperature, bool):
             temperature = self.settings.default_temperature
         return temperature <= 0 or tenant in self.settings.temperature_tenants
+
+    def semantic_skip(self, tenant: str, body: dict[str, Any], text: str) -> str | None:
+        """Why the last turn `text` gets no semantic lookup, or None when it does."""
+        if not self.semantic_allowed(tenant, body):
+            return SKIP_SAMPLING
+        if is_trivial(text, self.settings.min_query_words):
+            return SKIP_TRIVIAL
+        if len(text) > self.settings.max_query_chars:
+            return SKIP_TOO_LONG
+        if language_of(text) is None or (self._verifier is not None and not self._verifier.supports(text)):
+            return SKIP_LANGUAGE
+        return None
 
     async def lookup(self, tenant: str, body: dict[str, Any], controls: CacheControls) -> Lookup:
         model = str(body.get("model", ""))
         lookup = Lookup(BYPASS, tenant, model, controls, exact_key(tenant, controls.namespace, body))
-        if self.semantic_enabled and controls.semantic and self.semantic_allowed(tenant, body):
-            text = last_user_text(body)
-            if text is not None and not is_trivial(text, self.settings.min_query_words):
+        text = last_user_text(body)
+        if self.semantic_enabled and controls.semantic and text is not None:
+            lookup.semantic_skipped = self.semantic_skip(tenant, body, text)
+            if lookup.semantic_skipped is None:
                 lookup.query = text
                 lookup.partition = partition_key(tenant, controls.namespace, body)
         if not controls.read:
@@ -173,8 +241,9 @@ class ResponseCache:
         lookup.status = MISS
         try:
             await self._lookup(lookup)
-        except Exception:
-            log.exception("response cache: lookup failed; going upstream")
+        except Exception as exc:
+            # The error's class only: a database error's text may quote the prompt.
+            log.error("response cache: lookup failed; going upstream (%s)", describe_db_error(exc))
             lookup.status, lookup.answer = MISS, None
         return lookup
 
@@ -184,13 +253,45 @@ class ResponseCache:
         if meta is not None and meta.expires_at > now and await self._load(lookup, meta.id):
             lookup.status = HIT_EXACT
             return
+        storing = self._storing.get(lookup.key)
+        if storing is not None and storing[1] > now:
+            lookup.answer, lookup.status = storing[0], HIT_EXACT
+            return
         if lookup.partition is None or lookup.query is None or self._embedder is None or self._verifier is None:
             return
         lookup.vector = await self._embedder.embed(lookup.query)
         match = best_match(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
+        if match is not None and match.meta.query is not None and differing_parts(lookup.query, match.meta.query):
+            match = None  # a long shared context: judged below by what differs, not by the whole turn
+        if match is None:
+            match = await self._match_by_differing_parts(lookup.partition, lookup.vector, lookup.query, now)
         if match is not None and await self._load(lookup, match.meta.id):
             lookup.status = HIT_SEMANTIC
             lookup.similarity = match.similarity
+
+    async def _match_by_differing_parts(self, partition: PartitionKey, vector: np.ndarray, query: str,
+                                        now: float) -> Match | None:
+        """Neighbours that share a long context with `query` (see `semantic.differing_parts`) embed
+        alike whatever their question, and crowd each other: the whole-turn verdict says nothing
+        about them. Each is judged instead on the sentences that differ, as a question of its own."""
+        assert self._embedder is not None and self._verifier is not None
+        judged: list[tuple[Candidate, tuple[str, str]]] = []
+        for candidate in self._index.search(partition, vector, NUM_CANDIDATES):
+            meta = candidate.meta
+            if meta.expires_at <= now or meta.query is None:
+                continue
+            parts = differing_parts(query, meta.query)
+            if parts is not None and parts[0] and parts[1]:
+                judged.append((candidate, parts))
+        if not judged:
+            return None
+        vectors = await asyncio.gather(*(self._embedder.embed(text) for _, parts in judged for text in parts))
+        best: Match | None = None
+        for i, (candidate, (mine, theirs)) in enumerate(judged):
+            verdict = self._verifier.verify(vectors[2 * i], vectors[2 * i + 1], mine, theirs)
+            if verdict.accepted and (best is None or verdict.probability > best.probability):
+                best = Match(candidate.meta, candidate.similarity, verdict.probability)
+        return best
 
     async def _load(self, lookup: Lookup, entry_id: int) -> bool:
         answer = self._answers.get(entry_id)
@@ -200,6 +301,10 @@ class ResponseCache:
                 self._remove([entry_id])
                 return False
             answer = orjson.loads(raw)
+            if not is_storable(answer):
+                # Written before answers were validated: never replay it.
+                self._remove([entry_id])
+                return False
             self._answers.put(entry_id, answer)
         lookup.answer, lookup.entry_id = answer, entry_id
         self._hits[entry_id] += 1
@@ -207,7 +312,7 @@ class ResponseCache:
 
     def replay(self, lookup: Lookup, *, stream: bool, include_usage: bool, request_id: str) -> Response:
         assert lookup.answer is not None
-        kind = "exact" if lookup.status == HIT_EXACT else "semantic"
+        kind = KINDS.get(lookup.status, "exact")
         headers = {**lookup.headers, "x-request-id": request_id}
         if stream:
             events = replay_sse(lookup.answer, kind, lookup.similarity, include_usage=include_usage)
@@ -216,35 +321,120 @@ class ResponseCache:
         body = orjson.dumps(replay_json(lookup.answer, kind, lookup.similarity))
         return Response(body, media_type="application/json", headers=headers)
 
-    def store_later(self, lookup: Lookup, completion: dict[str, Any] | None) -> None:
-        """Store a complete, successful answer in the background; anything else is dropped."""
+    def store_later(self, lookup: Lookup, completion: dict[str, Any] | None,
+                    complete: bool | None = None) -> asyncio.Future[None] | None:
+        """Queue a complete, valid answer for the writer; anything else is dropped. Never blocks.
+        `complete` overrides the chat-completion checks for answers of another shape (Anthropic
+        messages, embeddings). Returns a future done once the answer is written (or dropped), for
+        whoever must wait until it is readable."""
         if lookup.answer is not None or not lookup.controls.write or completion is None:
-            return
-        if not is_complete(completion):
-            return
-        task = asyncio.create_task(self._store_entry(lookup, completion))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-    async def _store_entry(self, lookup: Lookup, completion: dict[str, Any]) -> None:
+            return None
+        if complete is None:
+            if not is_complete(completion):
+                return None
+            if not is_storable(completion):
+                self.num_store_rejected += 1
+                log.warning("response cache: an upstream answer failed the wire schema; not stored")
+                return None
+        elif not complete:
+            return None
+        raw = orjson.dumps(completion)
+        if len(raw) > self.settings.max_answer_bytes:
+            return None
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         try:
-            raw = orjson.dumps(completion)
-            if len(raw) > self.settings.max_answer_bytes:
-                return
-            if lookup.partition is not None and lookup.vector is None and self._embedder is not None:
-                lookup.vector = await self._embedder.embed(lookup.query or "")
-            ttl_s = min(lookup.controls.ttl_s or self.settings.default_ttl_s, self.settings.max_ttl_s)
+            self._store_queue.put_nowait((lookup, completion, raw, written))
+        except asyncio.QueueFull:
+            self.num_store_dropped += 1
+            written.set_result(None)
+            return written
+        self._storing[lookup.key] = (completion, time.time() + self._ttl_s(lookup), lookup)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_forever(), name="response-cache-writer")
+        return written
+
+    async def _drain_stores(self) -> None:
+        """Wait until every queued answer has been written (tests, shutdown)."""
+        while (not self._store_queue.empty() or self._writing) and self._writer is not None \
+                and not self._writer.done():
+            await asyncio.sleep(0.01)
+
+    async def _write_forever(self) -> None:
+        while True:
+            batch = [await self._store_queue.get()]
+            while len(batch) < STORE_BATCH and not self._store_queue.empty():
+                batch.append(self._store_queue.get_nowait())
+            self._writing = True
+            try:
+                await self._write_batch(batch)
+            except Exception as exc:
+                self.num_store_dropped += len(batch)
+                log.error("response cache: storing %d answers failed (%s)", len(batch), describe_db_error(exc))
+            finally:
+                self._writing = False
+                for lookup, completion, _, written in batch:
+                    if self._storing.get(lookup.key, (None,))[0] is completion:
+                        del self._storing[lookup.key]
+                    if not written.done():
+                        written.set_result(None)
+
+    async def _write_batch(self, batch: list[_Queued]) -> None:
+        need = [lk for lk, _, _, _ in batch if lk.partition is not None and lk.vector is None]
+        if need and self._embedder is not None:
+            vectors = await asyncio.gather(*(self._embedder.embed(lk.query or "") for lk in need))
+            for lk, vector in zip(need, vectors, strict=True):
+                lk.vector = vector
+        rows: list[tuple[EntryMeta, bytes, dict[str, Any]]] = []
+        for lookup, completion, raw, _ in batch:
+            ttl_s = self._ttl_s(lookup)
             semantic = lookup.partition is not None and lookup.vector is not None
             meta = EntryMeta(0, lookup.tenant, lookup.controls.namespace, lookup.model, lookup.key,
                              lookup.partition if semantic else None, lookup.query if semantic else None,
                              lookup.vector if semantic else None, time.time() + ttl_s)
-            meta.id = await self._store.insert(meta, raw)
-            self._feed.mark_seen(meta.id)
+            rows.append((meta, raw, completion))
+        if not rows:
+            return
+        try:
+            ids = await self._store.insert_many([(m, r) for m, r, _ in rows])
+            stored = rows
+        except Exception as exc:
+            # One bad row must not cost the others: write them one by one.
+            log.error("response cache: a batch of %d answers failed (%s); retrying one by one",
+                      len(rows), describe_db_error(exc))
+            ids, stored = [], []
+            for row in rows:
+                try:
+                    ids.append(await self._store.insert(row[0], row[1]))
+                    stored.append(row)
+                except Exception as one:
+                    self.num_store_dropped += 1
+                    log.error("response cache: an answer was not stored (%s)", describe_db_error(one))
+        for (meta, _, completion), entry_id in zip(stored, ids, strict=True):
+            meta.id = entry_id
+            self._feed.mark_seen(entry_id)
             self._add([meta])
-            self._answers.put(meta.id, completion)
+            self._answers.put(entry_id, completion)
+        self.num_stored += len(stored)
+        if stored:
             await self._feed.announce()
-        except Exception:
-            log.exception("response cache: storing an answer failed")
+
+    def _ttl_s(self, lookup: Lookup) -> float:
+        return min(lookup.controls.ttl_s or self.settings.default_ttl_s, self.settings.max_ttl_s)
+
+    async def count_never_read(self) -> int:
+        """Live entries stored and never served: writes that bought nothing (yet)."""
+        await self._flush_hits()
+        return await self._store.count_never_read()
+
+    async def delete(self, *, entry_id: int | None = None, key: str | None = None) -> int:
+        """Delete one entry by id, or every live entry of a key (its public name, `public_key`),
+        here and in SQL. Other replicas drop it from memory when they next fail to load it (an
+        answer they hold in their LRU may be served until it is evicted or purged)."""
+        ids = [entry_id] if entry_id is not None else \
+            [m.id for m in self._directory.by_id.values() if public_key(m.exact_key) == key]
+        deleted = await self._store.delete(ids=ids)
+        self._remove(ids)
+        return deleted
 
     async def purge(self, scope: PurgeFilter) -> int:
         purge_id, deleted = await self._store.purge(scope)
@@ -269,7 +459,7 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
     if settings.semantic:
         from gateway.responsecache.embedder import load_model
 
-        embedder = Embedder(await asyncio.to_thread(load_model), settings.embed_threads)
+        embedder = Embedder(await asyncio.to_thread(load_model, settings.embed_threads))
         verifier = Verifier.load(settings.target_false_hit_rate)
     cache = ResponseCache(settings, EntryStore(sessions), embedder, verifier)
     await cache.start()

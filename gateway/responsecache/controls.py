@@ -5,10 +5,12 @@
     x-kvgate-cache-namespace: NS   a separate cache space within the tenant
     x-kvgate-cache-ttl: SECONDS    lifetime of the entry this request stores
     x-kvgate-semantic: off         exact cache only
+    x-kvgate-cache-mode: MODE      refresh (= write-only: read no cache, store the new answer),
+                                   read-only (= no-store), off (neither), default (both)
 
 The body form is for clients that cannot set headers:
 `{"kvgate": {"cache": {"no_cache": true, "no_store": true, "namespace": "NS", "ttl": 60,
-"semantic": false}}}`. It is removed from the body, so the upstream never sees it. A header wins
+"semantic": false, "mode": "refresh"}}}`. It is removed from the body, so the upstream never sees it. A header wins
 over the body when both are given.
 """
 
@@ -23,6 +25,9 @@ from typing import Any
 from gateway.errors import InvalidField
 
 DEFAULT_NAMESPACE = "default"
+# mode -> (read, write)
+MODES = {"default": (True, True), "refresh": (False, True), "write-only": (False, True),
+         "read-only": (True, False), "off": (False, False)}
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
 
 
@@ -49,6 +54,12 @@ def _namespace(value: object, param: str) -> str:
     return value
 
 
+def _mode(value: object, param: str) -> tuple[bool, bool]:
+    if not isinstance(value, str) or value not in MODES:
+        raise InvalidField(f"{param}: one of {', '.join(MODES)}", param=param)
+    return MODES[value]
+
+
 def _ttl(value: object, param: str) -> float:
     try:
         ttl = float(value)  # type: ignore[arg-type]
@@ -67,12 +78,15 @@ def read_controls(headers: Mapping[str, str], body: dict[str, Any]) -> CacheCont
         cache = extension.get("cache") if isinstance(extension, dict) else None
         if not isinstance(cache, dict):
             raise InvalidField("kvgate: expected {\"cache\": {...}}", param="kvgate")
-        unknown = set(cache) - {"no_cache", "no_store", "namespace", "ttl", "semantic"}
+        unknown = set(cache) - {"no_cache", "no_store", "namespace", "ttl", "semantic", "mode"}
         if unknown:
             raise InvalidField(f"kvgate.cache: unknown option {sorted(unknown)[0]!r}", param="kvgate.cache")
         options = cache
-    read = not _flag(options.get("no_cache", False), "kvgate.cache.no_cache")
-    write = not _flag(options.get("no_store", False), "kvgate.cache.no_store")
+    read, write = _mode(options.get("mode", "default"), "kvgate.cache.mode")
+    read = read and not _flag(options.get("no_cache", False), "kvgate.cache.no_cache")
+    write = write and not _flag(options.get("no_store", False), "kvgate.cache.no_store")
+    if (value := headers.get("x-kvgate-cache-mode")) is not None:
+        read, write = _mode(value.strip().lower(), "x-kvgate-cache-mode")
     semantic = _flag(options.get("semantic", True), "kvgate.cache.semantic")
     namespace = _namespace(options.get("namespace", DEFAULT_NAMESPACE), "kvgate.cache.namespace")
     ttl = _ttl(options["ttl"], "kvgate.cache.ttl") if "ttl" in options else None

@@ -3,29 +3,29 @@
 The exact key covers everything that can change the answer (model, every message, tools,
 tool_choice, response_format, sampling parameters, seed, vendor fields), serialized as JSON with
 sorted keys, plus tenant and namespace. Only fields that cannot change the answer are left out:
-how it is delivered (`stream`, `stream_options`), bookkeeping (`user`, `metadata`, `store`) and
-kvgate's own controls.
+how it is delivered (`stream`, `stream_options`), bookkeeping (`user`, `metadata`, `store`), the
+provider's cache routing hint (`prompt_cache_key`) and kvgate's own controls.
 
 The semantic partition is the same request with the last user turn's text blanked out and the
-sampling knobs dropped: two requests share a partition only when their system prompt, tools and
-history are identical, so a paraphrase can match only within the same conversation context.
+temperature knobs dropped: two requests share a partition only when their system prompt, tools,
+history, length limit and seed are identical, so a paraphrase can match only within the same
+conversation context, and a request capped at 3 tokens never gets a full answer.
 Keys are SHA-256 hex digests; they never leave the gateway.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import Any, NewType
 
 from gateway.canonical.canonical_json import canonical_json
+from gateway.responsecache.language import num_units
 
 ExactKey = NewType("ExactKey", str)
 PartitionKey = NewType("PartitionKey", str)
 
-NOT_IN_KEY = frozenset({"stream", "stream_options", "user", "metadata", "store", "kvgate"})
-NOT_IN_PARTITION = NOT_IN_KEY | {"temperature", "top_p", "seed", "max_tokens", "max_completion_tokens"}
-_WORD = re.compile(r"\w+", re.UNICODE)
+NOT_IN_KEY = frozenset({"stream", "stream_options", "user", "metadata", "store", "kvgate", "prompt_cache_key"})
+NOT_IN_PARTITION = NOT_IN_KEY | {"temperature", "top_p"}
 
 
 def _digest(*parts: Any) -> str:
@@ -36,6 +36,12 @@ def _digest(*parts: Any) -> str:
 def exact_key(tenant: str, namespace: str, body: dict[str, Any]) -> ExactKey:
     canonical = {k: v for k, v in body.items() if k not in NOT_IN_KEY}
     return ExactKey(_digest("exact/v1", tenant, namespace, canonical))
+
+
+def public_key(key: ExactKey) -> str:
+    """The name an entry's key goes by outside the gateway (`x-kvgate-cache-key`, admin deletes):
+    a digest of the key, so the key itself never leaves."""
+    return hashlib.sha256(b"kvgate-public-key:" + key.encode()).hexdigest()[:40]
 
 
 def last_user_text(body: dict[str, Any]) -> str | None:
@@ -72,6 +78,8 @@ def partition_key(tenant: str, namespace: str, body: dict[str, Any]) -> Partitio
 
 
 def is_trivial(text: str, min_words: int) -> bool:
-    """An empty or near-empty turn ("ok", "continue", "?") carries no question of its own: matching
-    it by meaning would serve one cached reply to every such turn."""
-    return len(_WORD.findall(text)) < min_words
+    """An empty or near-empty turn ("ok", "continue", "?", "好的", "继续") carries no question of its
+    own: matching it by meaning would serve one cached reply to every such turn. Words are counted
+    with a Han character as half a word (`language.num_units`), so a Chinese sentence, which has no
+    spaces, is not one word."""
+    return num_units(text) < min_words

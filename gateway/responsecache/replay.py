@@ -30,10 +30,20 @@ def is_complete(completion: dict[str, Any]) -> bool:
 
 
 def assemble_stream(chunks: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The `chat.completion` a list of `chat.completion.chunk` payloads adds up to."""
+    """The `chat.completion` a list of `chat.completion.chunk` payloads adds up to; None when they
+    do not add up to one (malformed chunks are the upstream's, and must not fail the stream's end)."""
     if not chunks:
         return None
+    try:
+        return _assemble(chunks, usage)
+    except (AttributeError, TypeError, KeyError, ValueError):
+        return None
+
+
+def _assemble(chunks: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any] | None:
     first = chunks[0]
+    if first.get("object") == "text_completion":
+        return _assemble_text(chunks, usage)
     choices: dict[int, dict[str, Any]] = {}
     for chunk in chunks:
         for choice in chunk.get("choices") or []:
@@ -56,6 +66,42 @@ def assemble_stream(chunks: list[dict[str, Any]], usage: dict[str, Any] | None) 
     if usage is not None:
         completion["usage"] = usage
     return completion
+
+
+def _assemble_text(chunks: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+    """The `text_completion` a legacy completions stream adds up to."""
+    choices: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for choice in chunk.get("choices") or []:
+            index = choice.get("index", 0)
+            slot = choices.setdefault(index, {"index": index, "text": "", "logprobs": None, "finish_reason": None})
+            slot["text"] += choice.get("text") or ""
+            if choice.get("finish_reason"):
+                slot["finish_reason"] = choice["finish_reason"]
+    completion = {k: v for k, v in chunks[0].items() if k not in {"choices", "usage"}}
+    completion["choices"] = [choices[i] for i in sorted(choices)]
+    if usage is not None:
+        completion["usage"] = usage
+    return completion
+
+
+def _replay_text(completion: dict[str, Any], base: dict[str, Any], info: dict[str, Any], *,
+                 include_usage: bool) -> Iterator[bytes]:
+    """A cached `text_completion` as the legacy completions stream."""
+    base = {**base, "object": "text_completion"}
+    for choice in completion.get("choices") or []:
+        pieces = _PIECE.findall(choice.get("text") or "")
+        for start in range(0, len(pieces), WORDS_PER_CHUNK):
+            yield encode_event({**base, "choices": [{"index": choice.get("index", 0), "logprobs": None,
+                                                     "text": "".join(pieces[start:start + WORDS_PER_CHUNK]),
+                                                     "finish_reason": None}]})
+        yield encode_event({**base, "kvgate": info, "choices": [{"index": choice.get("index", 0), "text": "",
+                                                                 "logprobs": None,
+                                                                 "finish_reason": choice.get("finish_reason")}]})
+    usage = hit_usage(completion.get("usage"))
+    if include_usage and usage is not None:
+        yield encode_event({**base, "choices": [], "usage": usage, "kvgate": info})
+    yield encode_done()
 
 
 def _merge_delta(message: dict[str, Any], delta: dict[str, Any]) -> None:
@@ -119,6 +165,9 @@ def replay_sse(completion: dict[str, Any], kind: str, similarity: float | None, 
                                                   "finish_reason": finish}]})
 
     info = kvgate_info(kind, similarity)
+    if completion.get("object") == "text_completion":
+        yield from _replay_text(completion, base, info, include_usage=include_usage)
+        return
     choices = completion.get("choices") or []
     for choice in choices:
         index = choice.get("index", 0)

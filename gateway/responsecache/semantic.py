@@ -1,13 +1,21 @@
 """The semantic cache's decision: which stored question, if any, answers this one.
 
-`best_match` is the whole decision, shared by the gateway and `kvgate eval semantic`, so the
-evaluation measures exactly what is served: nearest neighbours within the partition, each checked
-by the verifier in its retrieval context (rank, neighbours' cosines), the most probable accepted
-one wins.
+`best_match` is the whole decision on the embeddings, shared by the gateway and `kvgate eval
+semantic`, so the evaluation measures exactly what is served: nearest neighbours within the
+partition, each checked by the verifier in its retrieval context (rank, neighbours' cosines), the
+most probable accepted one wins.
+
+Long turns that share most of their text (a document pasted before a question, then another
+question after the same document) embed almost identically whatever the question: pooling over
+hundreds of shared tokens drowns the few that differ (a 60-sentence context made "capital of
+France?" and "how many legs does a spider have?" score 0.996). `differing_parts` finds such pairs,
+and the gateway then judges the sentences that differ on their own (`ResponseCache`): a hit needs
+those to be the same question too.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +26,11 @@ from gateway.responsecache.store import EntryMeta
 from gateway.responsecache.verifier import Verifier
 
 NUM_CANDIDATES = 4
+# Shared text (common prefix + suffix) from which a pair is judged by its differing sentences: about
+# two sentences. Below it the whole turn is short and mostly question, which is what the verifier
+# was trained on.
+SHARED_CONTEXT_CHARS = 160
+_SENTENCE_END = re.compile("[.!?;\n\u3002\uff01\uff1f\uff1b]")  # ASCII and full-width ends
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,3 +54,27 @@ def best_match(index: SemanticIndex, partition: PartitionKey, vector: np.ndarray
         if verdict.accepted and (best is None or verdict.probability > best.probability):
             best = Match(meta, candidate.similarity, verdict.probability)
     return best
+
+
+def differing_parts(a: str, b: str) -> tuple[str, str] | None:
+    """When `a` and `b` share at least `SHARED_CONTEXT_CHARS` of common prefix and suffix, the
+    sentences in which they differ (widened from the first and last differing character to the
+    enclosing sentence ends); otherwise None."""
+    limit = min(len(a), len(b))
+    prefix = 0
+    while prefix < limit and a[prefix] == b[prefix]:
+        prefix += 1
+    suffix = 0
+    while suffix < limit - prefix and a[-1 - suffix] == b[-1 - suffix]:
+        suffix += 1
+    if prefix + suffix < SHARED_CONTEXT_CHARS:
+        return None
+    return _sentences(a, prefix, len(a) - suffix), _sentences(b, prefix, len(b) - suffix)
+
+
+def _sentences(text: str, start: int, end: int) -> str:
+    """`text[start:end]` widened to whole sentences."""
+    ends = [m.end() for m in _SENTENCE_END.finditer(text, 0, start)]
+    begin = ends[-1] if ends else 0
+    after = _SENTENCE_END.search(text, max(end, begin))
+    return text[begin:after.end() if after else len(text)].strip()

@@ -16,14 +16,21 @@ class ResponseCacheSettings(BaseModel):
     memory_entries: int = Field(default=10_000, ge=0, description="Answers kept in memory in front of SQL (LRU).")
     target_false_hit_rate: float = Field(
         default=0.01, gt=0, lt=1,
-        description="Semantic operating point: share of lookups allowed to get a wrong answer (calibrated on QQP).",
+        description="Semantic operating point: wrong hits per semantic lookup (strict), calibrated per language.",
     )
     embed_threads: int = Field(
-        default=1, ge=0, description="torch threads for embedding (process-wide; 0 = torch's default, one per core).",
+        default=1, ge=0, description="Threads of the embedding engine (0 = one per core).",
     )
-    min_query_words: int = Field(default=3, ge=1, description="Last user turns with fewer words never match.")
+    min_query_words: int = Field(
+        default=3, ge=1, description="Last user turns with fewer words (a Han character = half a word) never match.",
+    )
+    max_query_chars: int = Field(
+        default=4000, ge=1, description="Longer last user turns get exact-cache answers only (header says too-long).",
+    )
     default_temperature: float = Field(
-        default=1.0, ge=0, description="Temperature assumed for a request that sets none (OpenAI's default is 1)."
+        default=0.0, ge=0,
+        description="Temperature assumed for a request that sets none (the openai SDK sends none): 0 = may get "
+                    "semantic hits.",
     )
     temperature_tenants: list[str] = Field(
         default_factory=list, description="Tenants whose temperature > 0 requests may get semantic hits."
@@ -32,6 +39,9 @@ class ResponseCacheSettings(BaseModel):
     redis_channel: str = Field(default="kvgate:responsecache", description="Redis pub/sub channel of the feed.")
     poll_interval_s: float = Field(default=0.25, gt=0, description="How often a replica reads new entries from SQL.")
     max_answer_bytes: int = Field(default=1 << 20, gt=0, description="Larger answers are not stored.")
+    max_store_queue: int = Field(
+        default=50_000, gt=0, description="Answers waiting for the store writer; beyond it they are dropped (counted).",
+    )
 
     @field_validator("redis_url", mode="before")
     @classmethod

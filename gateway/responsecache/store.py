@@ -65,21 +65,33 @@ def _meta(row: tuple) -> EntryMeta:
                      PartitionKey(row[5]) if row[5] else None, row[6], vector, _epoch(row[8]))
 
 
+def _values(meta: EntryMeta, answer: bytes) -> dict[str, object]:
+    return {
+        "tenant": meta.tenant, "namespace": meta.namespace, "model": meta.model,
+        # PostgreSQL text cannot hold NUL; the query is kept for the verifier, which NUL does not inform.
+        "exact_key": meta.exact_key, "partition": meta.partition,
+        "query": meta.query.replace("\x00", "") if meta.query is not None else None,
+        "embedding": meta.embedding.astype(np.float32).tobytes() if meta.embedding is not None else None,
+        "answer": answer, "created_at": datetime.now(UTC),
+        "expires_at": datetime.fromtimestamp(meta.expires_at, UTC), "hit_count": 0,
+    }
+
+
 class EntryStore:
     def __init__(self, sessions: async_sessionmaker) -> None:
         self._sessions = sessions
 
     async def insert(self, meta: EntryMeta, answer: bytes) -> int:
-        values = {
-            "tenant": meta.tenant, "namespace": meta.namespace, "model": meta.model,
-            "exact_key": meta.exact_key, "partition": meta.partition, "query": meta.query,
-            "embedding": meta.embedding.astype(np.float32).tobytes() if meta.embedding is not None else None,
-            "answer": answer, "created_at": datetime.now(UTC),
-            "expires_at": datetime.fromtimestamp(meta.expires_at, UTC), "hit_count": 0,
-        }
+        return (await self.insert_many([(meta, answer)]))[0]
+
+    async def insert_many(self, rows: list[tuple[EntryMeta, bytes]]) -> list[int]:
+        """Insert entries in one statement and one transaction; their ids, in order."""
         async with self._sessions() as session, session.begin():
-            result = await session.execute(insert(ResponseCacheEntry).values(**values).returning(ResponseCacheEntry.id))
-            return int(result.scalar_one())
+            result = await session.execute(
+                insert(ResponseCacheEntry).returning(ResponseCacheEntry.id, sort_by_parameter_order=True),
+                [_values(meta, answer) for meta, answer in rows],
+            )
+            return [int(entry_id) for entry_id in result.scalars()]
 
     async def answer(self, entry_id: int) -> bytes | None:
         async with self._sessions() as session:
@@ -132,6 +144,21 @@ class EntryStore:
             result = await session.execute(delete(ResponseCacheEntry)
                                            .where(ResponseCacheEntry.expires_at <= datetime.now(UTC)))
             return int(result.rowcount or 0)
+
+    async def delete(self, *, ids: list[int]) -> int:
+        """Delete entries by id; returns how many rows went."""
+        if not ids:
+            return 0
+        async with self._sessions() as session, session.begin():
+            result = await session.execute(delete(ResponseCacheEntry).where(ResponseCacheEntry.id.in_(ids)))
+            return int(result.rowcount or 0)
+
+    async def count_never_read(self) -> int:
+        """Live entries no request has been served from yet (hits are flushed every few seconds)."""
+        async with self._sessions() as session:
+            count = await session.scalar(select(func.count()).select_from(ResponseCacheEntry).where(
+                ResponseCacheEntry.expires_at > datetime.now(UTC), ResponseCacheEntry.hit_count == 0))
+            return int(count or 0)
 
     async def purge(self, scope: PurgeFilter) -> tuple[int, int]:
         """Delete matching entries and record the purge; returns (purge id, entries deleted)."""

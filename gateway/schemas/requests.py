@@ -1,6 +1,8 @@
 """Wire models of the OpenAI requests kvgate accepts.
 
-They validate the fields the gateway relies on and let every other field through (`extra="allow"`):
+They validate the fields the gateway relies on, strictly (`stream: "yes"` and `max_tokens: true`
+are errors, not coerced: the upstream would read them differently from the gateway), and let every
+other field through (`extra="allow"`):
 the request sent upstream is the client's own JSON, not a re-serialized model, so vendor fields,
 `cache_control` and `extra_body` keys pass untouched.
 """
@@ -9,15 +11,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+# A model id is a column of the request log and of cache entries: bounded, printable.
+MODEL_ID = Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")
+
+
 class StreamOptions(_Open):
-    include_usage: bool | None = None
+    include_usage: bool | None = Field(default=None, strict=True)
 
 
 class ChatMessage(_Open):
@@ -26,16 +32,16 @@ class ChatMessage(_Open):
 
 
 class _Generation(_Open):
-    model: str = Field(min_length=1)
-    stream: bool = False
+    model: str = MODEL_ID
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
-    n: int | None = Field(default=None, ge=1, le=128)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
+    temperature: float | None = Field(default=None, ge=0, le=2, strict=True)
+    top_p: float | None = Field(default=None, ge=0, le=1, strict=True)
+    n: int | None = Field(default=None, ge=1, le=128, strict=True)
+    seed: int | None = Field(default=None, strict=True)
+    stop: StrictStr | list[StrictStr] | None = None
 
 
 class ChatCompletionRequest(_Generation):
@@ -49,5 +55,5 @@ class CompletionRequest(_Generation):
 
 
 class EmbeddingRequest(_Open):
-    model: str = Field(min_length=1)
+    model: str = MODEL_ID
     input: str | list[str] | list[int] | list[list[int]]

@@ -7,6 +7,7 @@ not be passed on as broken SSE; and the usage chunk feeds accounting and the req
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ import orjson
 from gateway.errors import GatewayError, UpstreamProtocolError
 from gateway.upstream.backend import UpstreamStream
 from gateway.upstream.sse import DONE, SSESplitter, encode_event, event_data
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -63,6 +66,10 @@ async def relay_stream(
                     if out:
                         yield b"".join(out)
                     raise UpstreamProtocolError("upstream sent an SSE event that is not a JSON object")
+                if not _well_formed(payload):
+                    if out:
+                        yield b"".join(out)
+                    raise UpstreamProtocolError("upstream sent a chunk whose choices or usage are malformed")
                 if "error" in payload:
                     outcome.error = UpstreamProtocolError(str(payload["error"]))
                     out.append(event)
@@ -84,11 +91,25 @@ async def relay_stream(
     except GatewayError as exc:
         outcome.error = exc
         yield encode_event(exc.envelope())
+    except Exception as exc:
+        # Whatever else breaks here, the client gets an error event, not a cut connection.
+        log.error("relay failed: %s", type(exc).__name__)
+        outcome.error = UpstreamProtocolError("the upstream stream could not be relayed")
+        yield encode_event(outcome.error.envelope())
     finally:
         # Shielded: on client disconnect this runs inside a cancelled scope, and the upstream
         # connection must still be closed so the upstream stops generating.
         with anyio.CancelScope(shield=True):
             await stream.aclose()
+
+
+def _well_formed(payload: dict[str, Any]) -> bool:
+    """The fields the relay and the response cache read: `choices` a list of objects, `usage` an object."""
+    choices = payload.get("choices")
+    if choices is not None and not (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)):
+        return False
+    usage = payload.get("usage")
+    return usage is None or isinstance(usage, dict)
 
 
 def _is_usage_only(payload: dict[str, Any], outcome: StreamOutcome) -> bool:

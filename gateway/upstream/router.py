@@ -97,13 +97,18 @@ class Router:
         if not serving and self._undiscovered and stale:
             await self.discover()
             serving = self._serving.get(model_id)
+        if not serving and self._undiscovered:
+            # An upstream that could not list its models may serve this one: that is an outage, not
+            # an unknown model (a client would otherwise drop a valid model name).
+            names = ", ".join(sorted(self._undiscovered))
+            raise UpstreamUnavailable(f"cannot list the models of upstream(s) {names}; try again later")
         if not serving:
             raise ModelNotFound(f"The model {model_id!r} does not exist or is not served here", param="model")
         return serving
 
-    def serves_alone(self, model_id: str) -> bool:
-        return len(self._serving.get(model_id, ())) <= 1
-
+    async def serving(self, model_id: str) -> list[Backend]:
+        """The backends that serve `model_id` (ModelNotFound when none does)."""
+        return list(await self._candidates(model_id))
     # ------------------------------------------------------------------ choice
 
     def order(self, serving: list[Backend], blocks: Sequence[PrefixBlock]) -> list[tuple[Backend, int]]:

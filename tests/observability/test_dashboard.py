@@ -55,6 +55,9 @@ def test_summary_shows_tenants_models_and_hits(obs_gateway: Gateway) -> None:
     assert len(data["series"]["points"]) == 60
     assert data["upstreams"] == [{"name": "fake", "up": True, "state": "closed", "in_flight": 0}]
     assert data["kv_tiers"] == [] and data["response_cache"]["entries"] >= 1
+    writes = data["cache_writes"]
+    assert writes["writes"] == writes["writes_never_read"] == 0, "no Anthropic-style upstream here"
+    assert isinstance(writes["entries_never_read"], int) and writes["entries_never_read"] >= 0
     bad = httpx.get(obs_gateway.base_url + "/dashboard/api/summary?since=soon", headers=ADMIN)
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "since"
 

@@ -42,9 +42,10 @@ def test_stats_command_reads_the_request_log(obs_gateway: Gateway, repo_root: Pa
 
 
 def row(at: datetime, *, cache: str | None, prompt: int = 100, cached: int = 0, creation: int | None = None,
-        ttfb: float = 10.0, status: int = 200, tenant: str = "t1") -> Row:
+        ttfb: float = 10.0, status: int = 200, tenant: str = "t1", condensed_from: int | None = None) -> Row:
     creation = max(prompt - cached, 0) if creation is None else creation
-    return Row(at, tenant, "m", "chat.completions", status, prompt, 20, cached, creation, ttfb, ttfb * 2, cache)
+    return Row(at, tenant, "m", "chat.completions", status, prompt, 20, cached, creation, ttfb, ttfb * 2, cache,
+               condensed_from)
 
 
 def test_summary_arithmetic() -> None:
@@ -52,7 +53,7 @@ def test_summary_arithmetic() -> None:
     since = now - timedelta(minutes=10)
     rows = [
         row(since + timedelta(minutes=1), cache="miss", cached=0, ttfb=100),
-        row(since + timedelta(minutes=2), cache="miss", cached=60, creation=40, ttfb=50),
+        row(since + timedelta(minutes=2), cache="miss", cached=60, creation=40, ttfb=50, condensed_from=400),
         row(since + timedelta(minutes=3), cache="hit-exact", cached=100, creation=0, ttfb=1),
         row(since + timedelta(minutes=4), cache="hit-semantic", cached=100, creation=0, ttfb=3, tenant="t2"),
         row(since + timedelta(minutes=5), cache=None, status=502, prompt=0),
@@ -65,7 +66,9 @@ def test_summary_arithmetic() -> None:
     # Upstream requests: 200 prompt tokens, 60 read from the KV cache, 140 written.
     assert o["prefix_hit_rate"] == 60 / 200
     assert o["cache_efficiency"] == 60 / (60 + 140)
-    assert o["tokens_saved"] == {"response_cache": 240, "kv_cache": 60}
+    # The condensed request: 400 prompt tokens before the small model cut them to 100.
+    assert o["tokens_saved"] == {"response_cache": 240, "kv_cache": 60, "condensing": 300}
+    assert o["cost_saved_usd"]["condensing"] == pytest.approx(300 * 1.0 / 1e6)
     assert o["cost_saved_usd"]["response_cache"] == pytest.approx((200 * 1.0 + 40 * 2.0) / 1e6)
     assert o["cost_saved_usd"]["kv_cache"] == pytest.approx(60 * 0.5 / 1e6)
     assert o["ttft_ms"]["cached"] == {"p50": 1, "p95": 3}

@@ -130,7 +130,7 @@ def test_temperature_policy(gw: Gateway) -> None:
     client = Client(gw)
     client.miss_then_stored("temperature: " + QUESTION)
     assert client.chat("temperature: " + PARAPHRASE, temperature=0.7).cache == "miss"
-    assert client.chat("temperature: " + PARAPHRASE, temperature=None).cache == "miss", "unset means the default, 1"
+    assert client.chat("temperature: " + PARAPHRASE, temperature=None).cache == "hit-semantic", "unset means 0"
     assert client.chat("temperature: " + PARAPHRASE).cache == "hit-semantic"
     allowed = Client(gw, other_tenant_key(gw, "team-t"))
     allowed.miss_then_stored("temperature: " + QUESTION, temperature=0.7)

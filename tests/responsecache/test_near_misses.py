@@ -1,24 +1,44 @@
-"""The near-miss set (negations, antonyms, swapped entities or direction, other numbers, dates,
-units, the same question about another platform, place or subject) replayed through the same code
-as `kvgate eval semantic`: every `a` stored, every `b` asked. Not one may be served."""
+"""The hand-written near-miss sets, English and Chinese (negations, antonyms, swapped entities or
+direction, other numbers, dates, units, the same question about another platform, place or
+subject), replayed through the same code as `kvgate eval semantic`: every `a` stored, every `b`
+asked. Not one may be served. Their true paraphrases, replayed the same way, are served in part:
+a verifier that refused everything would pass the first test alone."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.semantic_eval import build_index, embed_texts, read_pairs, score, without_exact_twins
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.verifier import Verifier
 
-NEAR_MISSES = Path(__file__).with_name("data") / "near_misses.jsonl"
+DATA = Path(__file__).with_name("data")
 
 
-def test_near_misses_get_no_hit(embedding_model: Any) -> None:
-    pairs = read_pairs(NEAR_MISSES)
-    assert len(pairs) >= 40 and all(p.label == 0 for p in pairs)
+def replay(pairs: list[Any], embedding_model: Any) -> list[tuple[str, float | None, bool]]:
     vectors = embed_texts(embedding_model, [p.a for p in pairs] + [p.b for p in pairs], progress=False)
     verifier = Verifier.load(ResponseCacheSettings().target_false_hit_rate)
-    outcomes = score(without_exact_twins(pairs), build_index(pairs, vectors), vectors, verifier)
-    served = [(p.b, o.score) for p, o in zip(pairs, outcomes, strict=True) if o.score is not None]
+    queries = without_exact_twins(pairs)
+    outcomes = score(queries, build_index(pairs, vectors), vectors, verifier)
+    return [(p.b, o.score, o.right) for p, o in zip(queries, outcomes, strict=True)]
+
+
+@pytest.mark.parametrize("name", ["near_misses.jsonl", "near_misses_zh.jsonl"])
+def test_near_misses_get_no_hit(name: str, embedding_model: Any) -> None:
+    pairs = read_pairs(DATA / name)
+    assert len(pairs) >= 40 and all(p.label == 0 for p in pairs)
+    served = [(b, s) for b, s, _ in replay(pairs, embedding_model) if s is not None]
     assert served == []
+
+
+@pytest.mark.parametrize("name", ["paraphrases_en.jsonl", "paraphrases_zh.jsonl"])
+def test_some_true_paraphrases_are_served_and_only_their_own_answer(name: str, embedding_model: Any) -> None:
+    pairs = read_pairs(DATA / name)
+    assert len(pairs) >= 12 and all(p.label == 1 for p in pairs)
+    results = replay(pairs, embedding_model)
+    served = [b for b, s, _ in results if s is not None]
+    assert all(right for _, s, right in results if s is not None), "a paraphrase got another question's answer"
+    assert len(served) >= len(pairs) // 4, served

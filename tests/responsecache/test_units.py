@@ -165,8 +165,63 @@ def test_verifier_trees_match_their_export() -> None:
     from gateway.responsecache.verifier import Verifier, candidate_features
 
     verifier = Verifier.load(0.01)
-    assert 0.5 < verifier.threshold < 1.0
+    assert set(verifier.thresholds) == {"en", "zh"}
+    assert all(0.5 < t < 1.0 for t in verifier.thresholds.values())
     features = candidate_features("how do i reset my router", "how do i reset my router", 0, [1.0], 0.75)
     assert 0.0 < verifier.probability(features) < 1.0
     lower = candidate_features("how do i reset my router", "how do i reset my router", 0, [0.9], 0.75)
     assert verifier.probability(lower) <= verifier.probability(features)  # monotonic in cosine
+
+
+@pytest.mark.parametrize("a, b, reason", [
+    ("怎么开启手机的蓝牙功能？", "怎么关闭手机的蓝牙功能？", "antonym"),
+    ("现在适合买房吗？", "现在适合卖房吗？", "antonym"),
+    ("这款手机支持无线充电吗？", "这款手机不支持无线充电吗？", "negation"),
+    ("北京到上海的高铁要多长时间？", "上海到北京的高铁要多长时间？", "order"),
+    ("猫为什么怕狗？", "狗为什么怕猫？", "order"),
+    ("年薪5万要交多少个人所得税？", "年薪50万要交多少个人所得税？", "number"),
+    ("五千块钱买什么手机好？", "一万块钱买什么手机好？", "number"),
+    ("走5公里需要多长时间？", "走5英里需要多长时间？", "unit"),
+])
+def test_chinese_hard_negatives_are_vetoed(a: str, b: str, reason: str) -> None:
+    assert hard_negative(a, b) == reason
+    assert hard_negative(b, a) == reason
+
+
+@pytest.mark.parametrize("a, b", [
+    ("如何重置密码？", "重置密码流程？"),
+    ("怎么做蛋糕？", "蛋糕怎么做？"),
+    ("两个鸡蛋有多少卡路里？", "2个鸡蛋含有多少卡路里？"),
+    ("百度网盘怎么用？", "怎么使用百度网盘？"),
+    ("一个人怎么去北京？", "一个人如何去北京？"),
+])
+def test_chinese_paraphrases_are_not_vetoed(a: str, b: str) -> None:
+    assert hard_negative(a, b) is None
+
+
+def test_trivial_turns_count_han_characters() -> None:
+    for text in ("好的", "继续", "谢谢"):
+        assert is_trivial(text, 3), text
+    for text in ("如何重置密码？", "重置密码流程？"):
+        assert not is_trivial(text, 3), text
+
+
+def test_language_of() -> None:
+    from gateway.responsecache.language import Language, language_of
+
+    assert language_of("How do I reset my password?") is Language.ENGLISH
+    assert language_of("如何重置密码？") is language_of("iPhone 13怎么截屏") is Language.CHINESE
+    for text in ("Comment réinitialiser mon mot de passe ?", "Wie setze ich mein Passwort zurück?",
+                 "パスワードをリセットする方法", "비밀번호를 재설정하는 방법"):
+        assert language_of(text) is None, text
+
+
+def test_differing_parts_of_long_shared_contexts() -> None:
+    from gateway.responsecache.semantic import differing_parts
+
+    context = "The sky is blue and the grass is green. " * 10
+    assert differing_parts(context + "What is the capital of France? Be brief.",
+                           context + "How many legs does a spider have? Be brief.") == (
+        "What is the capital of France?", "How many legs does a spider have?")
+    assert differing_parts("What is the capital of France?", "What is the capital of Spain?") is None
+    assert differing_parts(context, context + "And more.") == ("", "And more.")

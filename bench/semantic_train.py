@@ -1,0 +1,281 @@
+"""Train and calibrate the semantic cache's verifier on English and Chinese; writes
+`gateway/responsecache/verifier_weights.json` and prints its held-out validation.
+
+    python -m bench.semantic_train --embeddings-cache /tmp/kvgate-embeddings
+
+reads `../shared/data/qqp/dev.jsonl.gz` (a seeded sample of `--qqp-limit` pairs) and
+`../shared/data/lcqmc/dev.jsonl.gz` (all of it); `--qqp`/`--lcqmc` give other paths. Nothing else is
+tuned anywhere: the thresholds the gateway uses are read from the calibration curves written here.
+
+1. Split, per source. Questions are grouped into connected components (two questions are linked
+   when a pair holds both, whatever its label; texts compared after lowercasing and dropping
+   punctuation) and a stable hash of the component's first text sends all its pairs to train (6 of
+   10 buckets), calibration (2) or validation (2). No question, nor any paraphrase the file links
+   it to, is in two splits.
+2. Retrieval examples. A split is cut into caches of `CACHE_SIZE` stored questions (the held-out
+   sizes of the issue: 4,000 for QQP, 3,000 for LCQMC); a split smaller than that is topped up
+   with other splits' questions as distractors that nobody asks. Every `a` is stored, every `b`
+   asked; its top `NUM_CANDIDATES` neighbours above the cosine floor that no veto rejects become
+   examples with the gateway's own `candidate_features`. Label: the strict one, the pair's own `a`
+   with label 1. (Measured on the calibration split: labels from the file's duplicates, which also
+   count a question the label-1 pairs link to `b`, gave LCQMC precision 0.85 at recall 0.25 against
+   0.95 with strict labels, and QQP the same 0.79 either way: LCQMC's label-1 pairs link so much
+   that "linked" says little.)
+3. Model. A gradient-boosted tree ensemble (sklearn, training only) over retrieval context, word
+   and character overlap and the language, monotonic in cosine and the neighbour margins
+   (`verifier.MONOTONIC`), exported as arrays that the gateway evaluates with numpy.
+4. Calibration, per language, on the calibration split only: each query gets what `best_match`
+   would serve; the curve maps a probability threshold to the strict false-hit rate (wrong hits /
+   lookups, a hit right only on its own pair's `a`). The gateway takes the lowest threshold whose
+   rate is within `target_false_hit_rate`.
+5. Validation: the validation split, never used above, run through `bench.semantic_eval.evaluate`
+   (the gateway's `best_match`) at the default target; the cosine baseline at the same recall.
+
+With `--embedded-only`, pairs whose texts the embeddings cache lacks are left out (for a cache
+still being filled); the printout says how many pairs each split had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.semantic_eval import Duplicates, Pair, evaluate, load_vectors, normalized, print_report, read_pairs
+from gateway.responsecache.language import Language, language_of
+from gateway.responsecache.semantic import NUM_CANDIDATES
+from gateway.responsecache.settings import ResponseCacheSettings
+from gateway.responsecache.verifier import (
+    MONOTONIC,
+    WEIGHTS_PATH,
+    Trees,
+    Verifier,
+    candidate_features,
+    hard_negative,
+)
+
+MIN_COSINE = 0.75
+CACHE_SIZE = {"qqp": 4000, "lcqmc": 3000}
+TRAIN_BUCKETS, CALIB_BUCKETS = 6, 2
+THRESHOLDS = [round(0.02 * i, 2) for i in range(1, 45)] + [round(0.9 + 0.002 * i, 3) for i in range(50)]
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def split(pairs: list[Pair]) -> tuple[list[Pair], list[Pair], list[Pair]]:
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for pair in pairs:
+        ra, rb = find(normalized(pair.a)), find(normalized(pair.b))
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)  # the smallest text names the component: order-free
+    out: tuple[list[Pair], list[Pair], list[Pair]] = ([], [], [])
+    for pair in pairs:
+        bucket = int(hashlib.sha1(find(normalized(pair.a)).encode()).hexdigest(), 16) % 10
+        out[0 if bucket < TRAIN_BUCKETS else 1 if bucket < TRAIN_BUCKETS + CALIB_BUCKETS else 2].append(pair)
+    return out
+
+
+def caches(pairs: list[Pair], size: int, others: list[str], seed: int) -> list[tuple[list[Pair], list[str]]]:
+    """(pairs, fillers) per cache: `size` stored questions each, topped up from `others`."""
+    shuffled = pairs[:]
+    random.Random(seed).shuffle(shuffled)
+    out = []
+    for start in range(0, len(shuffled), size):
+        group = shuffled[start:start + size]
+        if start and len(group) < size // 2:
+            break
+        own = {p.a for p in group}
+        pool = [t for t in dict.fromkeys(others) if t not in own]
+        random.Random(seed + start).shuffle(pool)
+        out.append((group, pool[:max(0, size - len(own))]))
+    return out
+
+
+@dataclass
+class Examples:
+    features: list[np.ndarray]
+    right: list[bool]  # per the file's duplicates (kept for comparison)
+    own: list[bool]  # the pair's own `a`, label 1 (the strict metric; the training label)
+    query: list[int]
+    language: list[str]  # per query
+    label: list[int]  # per query
+
+
+def retrieval_examples(groups: list[tuple[list[Pair], list[str]]], vectors: dict[str, np.ndarray],
+                       dups: Duplicates) -> Examples:
+    import faiss
+
+    out = Examples([], [], [], [], [], [])
+    for pairs, fillers in groups:
+        texts = [p.a for p in pairs] + [t for t in fillers if t not in {p.a for p in pairs}]
+        index = faiss.IndexFlatIP(len(vectors[texts[0]]))
+        index.add(np.stack([vectors[t] for t in texts]))
+        stored = set(texts)
+        asked = [p for p in pairs if p.b not in stored]  # the exact cache's, as in the eval
+        found_s, found_i = index.search(np.stack([vectors[p.b] for p in asked]), NUM_CANDIDATES + 1)
+        for pair, sims, ids in zip(asked, found_s, found_i, strict=True):
+            cosines = [float(s) for s in sims]
+            number = len(out.language)
+            for rank in range(NUM_CANDIDATES):
+                if cosines[rank] < MIN_COSINE:
+                    break
+                cached = texts[ids[rank]]
+                if hard_negative(pair.b, cached) is not None:
+                    continue
+                out.features.append(candidate_features(pair.b, cached, rank, cosines, MIN_COSINE))
+                out.own.append(pair.label == 1 and cached == pair.a)
+                out.right.append(dups.right(pair, cached))
+                out.query.append(number)
+            out.language.append(str(language_of(pair.b) or "other"))
+            out.label.append(pair.label)
+    return out
+
+
+def export_trees(model: Any) -> dict[str, Any]:
+    """HistGradientBoostingClassifier -> padded node arrays (see `verifier.Trees`)."""
+    trees = [predictors[0].nodes for predictors in model._predictors]
+    width = max(len(t) for t in trees)
+
+    def padded(field: str, fill: float) -> list[list[float]]:
+        return [t[field].tolist() + [fill] * (width - len(t)) for t in trees]
+
+    return {"baseline": float(np.ravel(model._baseline_prediction)[0]),
+            "feature": padded("feature_idx", 0), "threshold": padded("num_threshold", 0.0),
+            "left": padded("left", 0), "right": padded("right", 0), "value": padded("value", 0.0),
+            "is_leaf": padded("is_leaf", 1), "depth": int(max(t["depth"].max() for t in trees))}
+
+
+def curve(probabilities: np.ndarray, ex: Examples, language: str) -> list[dict[str, float]]:
+    """Strict precision, recall and false-hit rate per threshold for queries in `language`, each
+    served its most probable candidate (what `best_match` does)."""
+    best: dict[int, int] = {}
+    for row, query in enumerate(ex.query):
+        if query not in best or probabilities[row] > probabilities[best[query]]:
+            best[query] = row
+    queries = [q for q, lang in enumerate(ex.language) if lang == language]
+    positives = sum(ex.label[q] for q in queries)
+    served = [(float(probabilities[best[q]]), ex.own[best[q]]) for q in queries if q in best]
+    points = []
+    for threshold in THRESHOLDS:
+        chosen = [own for p, own in served if p >= threshold]
+        right = sum(chosen)
+        points.append({"threshold": threshold, "hits": len(chosen),
+                       "precision": round(right / len(chosen), 4) if chosen else 1.0,
+                       "recall": round(right / positives, 4) if positives else 0.0,
+                       "false_hit_rate": round((len(chosen) - right) / len(queries), 5) if queries else 0.0})
+    return points
+
+
+def load_source(name: str, path: Path, limit: int, cache: Path | None, embedded_only: bool) -> tuple[
+        list[Pair], dict[str, np.ndarray]]:
+    if not path.is_file():
+        raise SystemExit(f"semantic_train: no {name} pairs at {path} (pass --{name} PATH)")
+    pairs = read_pairs(path)
+    if limit and len(pairs) > limit:
+        pairs = random.Random(0).sample(pairs, limit)
+    source_cache = cache / name if cache else None
+    if embedded_only and source_cache is not None:
+        vectors = _cached(source_cache)
+        pairs = [p for p in pairs if p.a in vectors and p.b in vectors]
+        return pairs, vectors
+    return pairs, load_vectors(None, [p.a for p in pairs] + [p.b for p in pairs], source_cache, progress=True)
+
+
+def _cached(cache: Path) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for names in sorted(cache.glob("chunk*.json")):
+        stored = np.load(names.with_suffix(".npy"))
+        out.update((t, np.asarray(stored[i], dtype=np.float32))
+                   for i, t in enumerate(json.loads(names.read_text(encoding="utf-8"))))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    parser = argparse.ArgumentParser(prog="semantic_train", description=__doc__.split("\n")[0])
+    parser.add_argument("--qqp", type=Path, default=SHARED / "qqp" / "dev.jsonl.gz")
+    parser.add_argument("--lcqmc", type=Path, default=SHARED / "lcqmc" / "dev.jsonl.gz")
+    parser.add_argument("--qqp-limit", type=int, default=14000, help="seeded sample of QQP pairs (0 = all)")
+    parser.add_argument("--embeddings-cache", type=Path, help="directory keeping embeddings (outside the repo)")
+    parser.add_argument("--embedded-only", action="store_true", help="use only pairs already in the cache")
+    parser.add_argument("--out", type=Path, default=WEIGHTS_PATH)
+    parser.add_argument("--valid-out", type=Path, help="directory for the validation pairs (JSON lines per source)")
+    parser.add_argument("--trees", type=int, default=200)
+    parser.add_argument("--depth", type=int, default=4)
+    args = parser.parse_args(argv)
+
+    started = time.monotonic()
+    sources = {"qqp": (args.qqp, args.qqp_limit), "lcqmc": (args.lcqmc, 0)}
+    data: dict[str, Any] = {}
+    train_ex: list[Examples] = []
+    calib_ex: list[Examples] = []
+    for name, (path, limit) in sources.items():
+        pairs, vectors = load_source(name, path, limit, args.embeddings_cache, args.embedded_only)
+        dups = Duplicates(pairs)
+        train, calib, valid = split(pairs)
+        size = CACHE_SIZE[name]
+        tr = retrieval_examples(caches(train, size, [p.a for p in calib + valid], 0), vectors, dups)
+        ca = retrieval_examples(caches(calib, size, [p.a for p in train + valid], 1), vectors, dups)
+        train_ex.append(tr)
+        calib_ex.append(ca)
+        data[name] = (pairs, vectors, dups, train, calib, valid)
+        print(f"{name}: {len(pairs)} pairs -> train {len(train)} / calibration {len(calib)} / validation "
+              f"{len(valid)}; {len(tr.features)} training candidates [{time.monotonic() - started:.0f}s]",
+              file=sys.stderr)
+        if args.valid_out:
+            args.valid_out.mkdir(parents=True, exist_ok=True)
+            (args.valid_out / f"{name}-validation.jsonl").write_text("".join(
+                json.dumps({"a": p.a, "b": p.b, "label": p.label}, ensure_ascii=False) + "\n" for p in valid),
+                encoding="utf-8")
+
+    x = np.stack([f for ex in train_ex for f in ex.features])
+    y = np.array([r for ex in train_ex for r in ex.own])
+    monotonic = [MONOTONIC.get(i, 0) for i in range(x.shape[1])]
+    model = HistGradientBoostingClassifier(max_iter=args.trees, max_depth=args.depth, learning_rate=0.05,
+                                           l2_regularization=1.0, monotonic_cst=monotonic,
+                                           random_state=0).fit(x, y)
+    trees = export_trees(model)
+    curves: dict[str, list[dict[str, float]]] = {}
+    for ex in calib_ex:
+        xc = np.stack(ex.features)
+        probabilities = model.predict_proba(xc)[:, 1]
+        raw = np.array([Trees(trees).raw(row) for row in xc[:100]])
+        assert np.allclose(1 / (1 + np.exp(-raw)), probabilities[:100], atol=1e-5), "exported trees disagree"
+        for language in Language:
+            if language.value in ex.language:
+                curves[language.value] = curve(probabilities, ex, language.value)
+    weights = {"trees": trees, "min_cosine": MIN_COSINE, "curves": curves,
+               "features": "verifier.candidate_features", "num_candidates": NUM_CANDIDATES,
+               "trained_on": {name: {"pairs": len(d[0]), "train": len(d[3]), "calibration": len(d[4]),
+                                     "validation": len(d[5])} for name, d in data.items()}}
+    args.out.write_text(json.dumps(weights, separators=(",", ":")))
+
+    target = ResponseCacheSettings().target_false_hit_rate
+    verifier = Verifier.load(target, args.out)
+    print(f"thresholds at target {target}: {verifier.thresholds}", file=sys.stderr)
+    for name, (_pairs, vectors, dups, train, calib, valid) in data.items():
+        for group, fillers in caches(valid, CACHE_SIZE[name], [p.a for p in train + calib], 2):
+            result = evaluate(group, vectors, verifier, dups, fillers)
+            print_report(result, f"\n{name} validation (never trained or calibrated on): {len(group)} pairs + "
+                                 f"{len(fillers)} distractors stored, {result['queries']} asked")
+    print(f"done in {time.monotonic() - started:.0f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

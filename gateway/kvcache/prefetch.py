@@ -1,0 +1,156 @@
+"""Predictive prefetch between the turns of a conversation.
+
+When a turn ends, the blocks of its prompt and answer are exactly the prefix the conversation's
+next turn will ask for. They were just written to every tier, but a small host tier is churned by
+other conversations' turns during the user's think time, so by the next turn they often survive
+only on disk or in Redis. The planner remembers each ended turn's chain, learns how long
+conversations pause between turns (a running mean of the observed gaps), and shortly before a
+conversation's next turn is due copies its chain back into the host tier.
+
+Bounded: at most `budget_bytes` of prefetched-but-not-yet-used blocks, soonest-due conversation
+first; a conversation's prefetch is dropped when its turn arrives (the restore takes over), when it
+is long overdue, or when `pressure()` says the engine needs the CPU (it is also checked between
+blocks, so a running prefetch stops at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.kvcache.keys import BlockHash
+from gateway.kvcache.manager import KVCacheManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Ended:
+    hashes: list[BlockHash]
+    ended_at: float
+    prefetched: bool = False
+    num_copied: int = 0
+
+
+@dataclass(slots=True)
+class PrefetchStats:
+    num_turns_ended: int = 0
+    num_next_turns: int = 0
+    num_prefetches: int = 0
+    num_prefetched_blocks: int = 0
+    num_cancelled: int = 0
+    mean_gap_s: float | None = None
+
+
+class PrefetchPlanner:
+    def __init__(self, manager: KVCacheManager, *, target: str = "host", budget_bytes: int, lead_s: float = 0.5,
+                 first_gap_s: float = 2.0, max_sessions: int = 1024,
+                 pressure: Callable[[], bool] = lambda: False) -> None:
+        if target not in manager.tier_names:
+            raise ValueError(f"prefetch target tier {target!r} is not configured")
+        if manager.tier_names.index(target) == len(manager.tier_names) - 1:
+            raise ValueError("prefetch needs a slower tier below its target")
+        self.manager = manager
+        self.target = target
+        self.budget_bytes = budget_bytes
+        self.lead_s = lead_s
+        self.max_sessions = max_sessions
+        self.pressure = pressure
+        self.stats = PrefetchStats(mean_gap_s=None)
+        self._first_gap_s = first_gap_s
+        self._ended: dict[BlockHash, _Ended] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kv-prefetch", daemon=True)
+        self._thread.start()
+
+    @property
+    def expected_gap_s(self) -> float:
+        return self.stats.mean_gap_s if self.stats.mean_gap_s is not None else self._first_gap_s
+
+    # ------------------------------------------------------------------ hooks (any thread)
+
+    def turn_ended(self, salt: str, token_ids: Sequence[int]) -> None:
+        """A conversation's turn ended with these tokens (prompt + answer)."""
+        hashes = self.manager.hash_tokens(salt, token_ids)
+        if not hashes:
+            return
+        with self._cond:
+            self.stats.num_turns_ended += 1
+            self._ended[hashes[-1]] = _Ended(hashes, time.monotonic())
+            while len(self._ended) > self.max_sessions:
+                self._ended.pop(next(iter(self._ended)))
+            self._cond.notify_all()
+
+    def turn_started(self, salt: str, prompt_ids: Sequence[int]) -> None:
+        """A request arrived: if it continues an ended turn, learn the gap and stop planning for it."""
+        hashes = self.manager.hash_tokens(salt, prompt_ids)
+        now = time.monotonic()
+        with self._cond:
+            for h in reversed(hashes):
+                ended = self._ended.pop(h, None)
+                if ended is not None:
+                    gap = now - ended.ended_at
+                    mean = self.stats.mean_gap_s
+                    self.stats.mean_gap_s = gap if mean is None else 0.8 * mean + 0.2 * gap
+                    self.stats.num_next_turns += 1
+                    break
+
+    # ------------------------------------------------------------------ the planner thread
+
+    def _due(self, now: float) -> list[_Ended]:
+        """Conversations due within `lead_s`, soonest first; forgets the long overdue ones."""
+        gap = self.expected_gap_s
+        for key, ended in list(self._ended.items()):
+            if now - ended.ended_at > 4 * gap + 60:
+                del self._ended[key]
+        # Users differ: half the mean pause catches most of those who come back early, and the
+        # budget keeps the early prefetches from crowding the host tier.
+        due = [e for e in self._ended.values() if not e.prefetched and e.ended_at + 0.5 * gap - self.lead_s <= now]
+        return sorted(due, key=lambda e: e.ended_at)
+
+    def _run(self) -> None:
+        block_bytes = self.manager.layout.block_nbytes if self.manager.layout is not None else 1
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                due = self._due(time.monotonic())
+                # Only what this planner copied counts: blocks still in host (a shared system
+                # prompt) cost the budget nothing.
+                held = sum(e.num_copied for e in self._ended.values()) * block_bytes
+                if not due or held + block_bytes > self.budget_bytes:
+                    self._cond.wait(timeout=0.05)
+                    continue
+            ended = due[0]
+            if self.pressure():
+                self.stats.num_cancelled += 1
+                with self._cond:
+                    self._cond.wait(timeout=0.05)
+                continue
+            hashes = ended.hashes
+            room = (self.budget_bytes - held) // block_bytes
+            try:
+                copied = self.manager.prefetch(hashes, self.target, should_stop=self._stop, max_blocks=room)
+            except Exception:  # a prefetch is an optimization: never let it kill the thread
+                log.exception("prefetch failed")
+                copied = 0
+            ended.num_copied += copied
+            if copied < min(room, len(hashes)) and self.pressure():
+                self.stats.num_cancelled += 1  # stopped half-way: try again when the pressure is off
+            else:
+                ended.prefetched = True
+                self.stats.num_prefetches += 1
+            self.stats.num_prefetched_blocks += copied
+
+    def _stop(self) -> bool:
+        return self._closed or self.pressure()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
