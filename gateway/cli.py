@@ -24,6 +24,7 @@ BENCHMARKS = {
     "prefix-stability": "bench.prefix_stability",
     "routing": "bench.routing",
     "cache-latency": "bench.cache_latency",
+    "fuse": "bench.fuse",
 }
 EVALS = {"semantic": "bench.semantic_eval"}
 

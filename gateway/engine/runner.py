@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from gateway.engine.fuse import ChunkSpan, FusedPrefix, Fuser
 from gateway.engine.model import LoadedModel
 from gateway.engine.prefetch import layerwise_cache
 from gateway.engine.sampling import Sampler, SamplingParams, TextStream
@@ -33,6 +34,8 @@ class Generation:
     prompt_ids: list[int]
     params: SamplingParams
     salt: str = ""
+    chunks: list[ChunkSpan] = field(default_factory=list)  # marked chunks: fused, not prefix-restored
+    recompute_share: float | None = None  # fusion's share for this request; None = the engine's
     on_text: Callable[[str], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -47,12 +50,15 @@ class GenerationResult:
     cache_creation_tokens: int
     restored_from: list[str] = field(default_factory=list)
     prefill_s: float = 0.0
+    fused_tokens: int = 0
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, kv: KVCacheManager | None, *, layerwise_min_tokens: int) -> None:
+    def __init__(self, loaded: LoadedModel, kv: KVCacheManager | None, *, layerwise_min_tokens: int,
+                 fuser: Fuser | None = None) -> None:
         self.loaded = loaded
         self.kv = kv
+        self.fuser = fuser
         self.layerwise_min_tokens = layerwise_min_tokens
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-layer-loader")
 
@@ -104,7 +110,14 @@ class ModelRunner:
     def run(self, gen: Generation) -> GenerationResult:
         model, device = self.loaded.model, self.loaded.device
         started = time.perf_counter()
-        cache, num_cached, tiers = self._restore(gen)
+        # Fusion seam: with marked chunks the initial cache comes from the fuser instead of a
+        # prefix restore; everything after (prefill of the rest, decode) is the same.
+        fused: FusedPrefix | None = None
+        if gen.chunks and self.fuser is not None:
+            fused = self.fuser.fuse(gen.prompt_ids, gen.chunks, gen.salt, gen.recompute_share)
+            cache, num_cached, tiers = fused.cache, fused.num_tokens, fused.tiers
+        else:
+            cache, num_cached, tiers = self._restore(gen)
         suffix = torch.tensor([gen.prompt_ids[num_cached:]], device=device)
         logits = model(input_ids=suffix, cache=cache, use_cache=True).logits[0, -1]
         prefill_s = time.perf_counter() - started
@@ -134,15 +147,25 @@ class ModelRunner:
         if tail and gen.on_text:
             gen.on_text(tail)
 
-        creation = self._store(gen, cache, generated, num_cached)
+        if fused is None:
+            creation = self._store(gen, cache, generated, num_cached)
+            cached = num_cached
+        else:
+            # Only the exact head is prefix-cacheable; the rest holds fused (approximate) KV.
+            creation = self._store(gen, cache, generated, fused.num_restored, upto=fused.exact_tokens)
+            if self.fuser is not None and not gen.cancelled.is_set():
+                creation += self.fuser.store_missing(gen.prompt_ids, fused, gen.salt)
+            cached = fused.num_restored + fused.num_fused
         return GenerationResult(
             text=text.text, finish_reason=finish_reason, prompt_tokens=len(gen.prompt_ids),
-            completion_tokens=len(generated), cached_tokens=num_cached, cache_creation_tokens=creation,
-            restored_from=tiers, prefill_s=prefill_s,
+            completion_tokens=len(generated), cached_tokens=cached, cache_creation_tokens=creation,
+            restored_from=tiers, prefill_s=prefill_s, fused_tokens=fused.num_fused if fused else 0,
         )
 
-    def _store(self, gen: Generation, cache: Cache, generated: list[int], num_cached: int) -> int:
-        """Store the new full blocks of prompt + answer; returns the prompt tokens newly cached."""
+    def _store(self, gen: Generation, cache: Cache, generated: list[int], num_cached: int,
+               upto: int | None = None) -> int:
+        """Store the new full blocks of prompt + answer (of the first `upto` tokens when given);
+        returns the prompt tokens newly cached."""
         if self.kv is None or gen.cancelled.is_set():
             return 0
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -151,7 +174,7 @@ class ModelRunner:
             if keys is None or values is None:
                 return 0
             # Only what this request computed: the restored prefix is in the cache already.
-            layers.append((keys[..., num_cached:, :], values[..., num_cached:, :]))
+            layers.append((keys[..., num_cached:upto, :], values[..., num_cached:upto, :]))
         seq_len = num_cached + int(layers[0][0].shape[-2])
         token_ids = (gen.prompt_ids + generated)[:seq_len]
         block_size = self.kv.keyer.block_size
@@ -161,7 +184,7 @@ class ModelRunner:
             self.kv.store(gen.salt, token_ids, stack_layers(layers), kv_start=num_cached)
         except KVCacheError:
             return 0
-        return max(0, len(gen.prompt_ids) // block_size * block_size - num_cached)
+        return max(0, min(len(gen.prompt_ids), seq_len) // block_size * block_size - num_cached)
 
     def measure_recompute_s_per_token(self, num_tokens: int = 128) -> float:
         """Time a prefill (also warms the model up): the price of recomputing one token."""

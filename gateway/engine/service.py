@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from gateway.engine.backend import EngineBackend
+from gateway.engine.fuse import Fuser
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.runner import EngineWorker, ModelRunner
 from gateway.engine.settings import EngineSettings
@@ -43,7 +44,11 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
         layout = BlockLayout(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, kv_settings.block_size,
                              loaded.dtype)
         kv = build_manager(kv_settings, model_id=loaded.model_id, layout=layout)
-    runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens)
+    fuser = None
+    if kv is not None and settings.fuse_enabled:
+        fuser = Fuser(loaded, kv, recompute_share=settings.fuse_recompute_share,
+                      check_layer=settings.fuse_check_layer)
+    runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens, fuser=fuser)
     recompute_s = runner.measure_recompute_s_per_token()
     if kv is not None:
         kv.recompute_s_per_token = recompute_s

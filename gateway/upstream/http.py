@@ -106,6 +106,12 @@ class HttpBackend:
         """Only upstreams marked as kvgate engines learn the tenant's KV salt."""
         return {SALT_HEADER: salt} if salt and self.config.send_cache_salt else None
 
+    def _payload(self, body: JSONObject) -> bytes:
+        """The request as sent: the `kvgate` extension (fusion marks) only to kvgate engines."""
+        if "kvgate" in body and not self.config.send_cache_salt:
+            body = {k: v for k, v in body.items() if k != "kvgate"}
+        return orjson.dumps(body)
+
     async def list_models(self) -> list[JSONObject]:
         with _mapped(self.name):
             async with self.session.get(self._base + "/models") as response:
@@ -120,7 +126,7 @@ class HttpBackend:
 
     async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
         with _mapped(self.name):
-            async with self.session.post(self._base + path, data=orjson.dumps(body),
+            async with self.session.post(self._base + path, data=self._payload(body),
                                          headers=self._salt_header(salt)) as response:
                 raw = await response.read()
         if response.status >= 400:
@@ -135,7 +141,7 @@ class HttpBackend:
 
     async def post_stream(self, path: str, body: JSONObject, *, salt: str = "") -> _HttpStream:
         with _mapped(self.name):
-            response = await self.session.post(self._base + path, data=orjson.dumps(body),
+            response = await self.session.post(self._base + path, data=self._payload(body),
                                                headers=self._salt_header(salt))
         if response.status >= 400:
             try:
