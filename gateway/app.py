@@ -16,7 +16,7 @@ from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
 from gateway.observability.install import attach_observability, install_observability
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
-from gateway.persistence.keys import KeyStore, create_first_key
+from gateway.persistence.keys import FirstKeys, KeyStore, create_first_keys
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
@@ -44,11 +44,37 @@ async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
 
         engine = await asyncio.to_thread(build_engine, settings.engine, settings.kvcache)
         backends.append(engine.backend)
+        backends.append(await build_embedding_backend())
     router = Router(backends, settings.routing)
     for upstream, backend in zip(settings.upstreams, backends, strict=False):
         if upstream.models:
             router.configure_models(backend, upstream.models)
     return router, engine
+
+
+async def build_embedding_backend() -> Backend:
+    """`/v1/embeddings` on the embedded default, by the embedding model the semantic cache loads
+    anyway (one copy per process)."""
+    from gateway.engine.embeddings import EmbeddingBackend
+    from gateway.responsecache.embedder import Embedder, load_model
+
+    model = await asyncio.to_thread(load_model)
+    # threads=0: leave torch's thread count to the engine and the response cache, which set it.
+    return EmbeddingBackend(model, Embedder(model, threads=0))
+
+
+def first_start_banner(keys: FirstKeys, settings: Settings, model_ids: list[str]) -> str:
+    """The first start's keys, framed so that they stand out from the JSON log lines around them."""
+    base = f"http://{settings.host}:{settings.port}"
+    rows = [("API key, tenant 'default'", keys.tenant_key), ("admin key (dashboard)", keys.admin_key),
+             ("model" + ("s" if len(model_ids) > 1 else ""), ", ".join(model_ids) or "(none discovered yet)"),
+             ("base_url", base + "/v1"), ("dashboard", base + "/dashboard")]
+    width = max(len(label) for label, _ in rows)
+    rule = "=" * 78
+    lines = [rule, "kvgate: first start, no API keys existed. Created these keys; they are shown only once",
+             "(only their SHA-256 is stored). `kvgate keys list|create|revoke` manages them.", ""]
+    lines += [f"  {label.ljust(width)}  {value}" for label, value in rows]
+    return "\n".join(["", *lines, rule, ""])
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -70,11 +96,11 @@ def create_app(settings: Settings) -> FastAPI:
         response_cache = await open_response_cache(settings.responsecache, sessions)
         if settings.no_auth:
             log.warning("AUTH IS OFF: every request is served as tenant 'anonymous' (loopback only)")
-        elif settings.admin_key is None and (first_key := await create_first_key(sessions)):
-            # Printed to the console once, never logged: a fresh install is usable without a
-            # separate `kvgate keys create`.
-            print(f"kvgate: no API keys existed; created one for tenant 'default' (shown once): {first_key}",
-                  file=sys.stderr, flush=True)
+        elif settings.admin_key is None and (first_keys := await create_first_keys(sessions)):
+            # Printed to the console once, never logged: a fresh install is usable (API and
+            # dashboard) without a separate `kvgate keys create`.
+            print(first_start_banner(first_keys, settings, [str(m["id"]) for m in router.models()]),
+                  file=sys.stdout, flush=True)
         metrics = getattr(app.state, "metrics", None)
 
         def on_break(reason: str, tenant: str, model: str | None) -> None:
@@ -90,7 +116,7 @@ def create_app(settings: Settings) -> FastAPI:
             router=router,
             proxy=Proxy(router, request_log, response_cache,
                         preparer=Preparer(settings.canonical, settings.routing, on_break=on_break),
-                        accountant=Accountant(settings.usage.prices)),
+                        accountant=Accountant(settings.usage.prices), compaction=settings.compaction),
             response_cache=response_cache,
         )
         try:

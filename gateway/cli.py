@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import importlib
 import sys
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -24,9 +26,11 @@ BENCHMARKS = {
     "prefix-stability": "bench.prefix_stability",
     "routing": "bench.routing",
     "cache-latency": "bench.cache_latency",
+    "agent-session": "bench.agent_session",
     "fuse": "bench.fuse",
 }
 EVALS = {"semantic": "bench.semantic_eval"}
+T = TypeVar("T")
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
@@ -87,24 +91,67 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_keys_create(args: argparse.Namespace) -> int:
+def _with_sessions(args: argparse.Namespace, work: Callable[[Any], Awaitable[T]]) -> T:
+    """Run `work(sessions)` against the migrated database named by the settings / --database-url."""
     from gateway.persistence.database import make_engine, make_sessionmaker, upgrade
-    from gateway.persistence.keys import create_key
 
     settings = _settings(args)
     upgrade(settings.database_url)
 
-    async def run() -> str:
+    async def run() -> T:
         engine = make_engine(settings.database_url)
         try:
-            return await create_key(make_sessionmaker(engine), args.tenant)
+            return await work(make_sessionmaker(engine))
         finally:
             await engine.dispose()
 
-    key = asyncio.run(run())
-    print(key)
-    print(f"kvgate: key for tenant {args.tenant!r}; it is shown only once", file=sys.stderr)
-    return 0
+    return asyncio.run(run())
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from gateway.observability.summary import parse_duration
+    from gateway.persistence.keys import ADMIN_TENANT, create_key, list_keys, revoke_key
+
+    if args.keys_command == "create":
+        if args.admin and args.tenant not in (None, ADMIN_TENANT):
+            print("kvgate: an admin key belongs to no tenant; drop --tenant", file=sys.stderr)
+            return 2
+        if not args.admin and not args.tenant:
+            print("kvgate: keys create needs --tenant NAME (or --admin)", file=sys.stderr)
+            return 2
+        try:
+            expires_in = parse_duration(args.expires_in) if args.expires_in else None
+        except ValueError as exc:
+            print(f"kvgate: --expires-in: {exc}", file=sys.stderr)
+            return 2
+        tenant = ADMIN_TENANT if args.admin else args.tenant
+        key = _with_sessions(args, lambda s: create_key(s, tenant, expires_in=expires_in, is_admin=args.admin))
+        print(key)
+        what = "admin key" if args.admin else f"key for tenant {tenant!r}"
+        until = f", expires in {args.expires_in}" if args.expires_in else ""
+        print(f"kvgate: {what}{until}; it is shown only once", file=sys.stderr)
+        return 0
+    if args.keys_command == "list":
+        keys = _with_sessions(args, lambda s: list_keys(s, args.tenant))
+        now = datetime.now(UTC)
+        rows = [("prefix", "tenant", "kind", "created", "expires", "state")]
+        rows += [(k.prefix, k.tenant, "admin" if k.is_admin else "tenant", _when(k.created_at),
+                  _when(k.expires_at) if k.expires_at else "never", k.state(now)) for k in keys]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        return 0
+    matched = _with_sessions(args, lambda s: revoke_key(s, args.key))
+    if matched == 1:
+        print(f"kvgate: revoked {args.key[:12]} (gateways stop accepting it within KVGATE_KEY_CACHE_TTL_S)")
+        return 0
+    reason = "no active key matches" if matched == 0 else f"{matched} active keys share the prefix; give the full key"
+    print(f"kvgate: {reason} {args.key[:12]!r}", file=sys.stderr)
+    return 1
+
+
+def _when(moment: datetime | None) -> str:
+    return "" if moment is None else moment.strftime("%Y-%m-%d %H:%M")
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -148,23 +195,38 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--revision", default="head")
     migrate.add_argument("--downgrade", metavar="REVISION")
 
-    keys = sub.add_parser("keys", help="manage gateway API keys")
+    keys = sub.add_parser("keys", help="manage gateway API keys (create, list, revoke)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
-    create = keys_sub.add_parser("create", help="create a key for a tenant and print it once")
-    create.add_argument("--tenant", required=True)
+    create = keys_sub.add_parser("create", help="create a key for a tenant (or an admin key) and print it once")
+    create.add_argument("--tenant")
+    create.add_argument("--admin", action="store_true", help="an admin key: /dashboard, /admin, every tenant's view")
+    create.add_argument("--expires-in", metavar="DURATION", help="e.g. 90s, 15m, 12h, 30d (default: never)")
     create.add_argument("--database-url")
+    listing = keys_sub.add_parser("list", help="list keys (their 12-character prefix, never the key)")
+    listing.add_argument("--tenant")
+    listing.add_argument("--database-url")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key, given in full or by the prefix `keys list` shows")
+    revoke.add_argument("key", metavar="KEY_OR_PREFIX")
+    revoke.add_argument("--database-url")
 
     stats = sub.add_parser("stats", help="what the caches saved, from the request log")
     stats.add_argument("--since", default="1h", help="window: 90s, 15m, 1h, 7d (default 1h)")
     stats.add_argument("--json", action="store_true", help="print the summary as JSON")
     stats.add_argument("--database-url")
 
-    bench = sub.add_parser("bench", help="run a benchmark from bench/ (options after the name)")
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    # No -h of their own: `kvgate bench NAME --help` passes --help on to that benchmark's parser.
+    bench = sub.add_parser("bench", add_help=False, help="run a benchmark from bench/ (`kvgate bench NAME --help`)")
+    bench.add_argument("name", nargs="?", choices=sorted(BENCHMARKS))
 
-    evaluate = sub.add_parser("eval", help="run an evaluation from bench/ (options after the name)")
-    evaluate.add_argument("name", choices=sorted(EVALS))
+    evaluate = sub.add_parser("eval", add_help=False, help="run an evaluation from bench/ (`kvgate eval NAME --help`)")
+    evaluate.add_argument("name", nargs="?", choices=sorted(EVALS))
     return parser
+
+
+def _runner_usage(command: str, names: dict[str, str]) -> int:
+    print(f"usage: kvgate {command} NAME [options]   (kvgate {command} NAME --help: that one's options)\n\n"
+          f"NAME: {', '.join(sorted(names))}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in ("bench", "eval"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command in ("bench", "eval") and args.name is None:
+        return _runner_usage(args.command, BENCHMARKS if args.command == "bench" else EVALS)
     try:
         if args.command == "serve":
             return cmd_serve(args)
@@ -180,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "migrate":
             return cmd_migrate(args)
         if args.command == "keys":
-            return cmd_keys_create(args)
+            return cmd_keys(args)
         if args.command == "stats":
             return cmd_stats(args)
         if args.command == "eval":

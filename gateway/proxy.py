@@ -21,6 +21,15 @@ from gateway.canonical.prepare import Prepared, Preparer
 from gateway.errors import GatewayError
 from gateway.persistence.keys import Principal
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
+from gateway.pipeline.compaction import (
+    HOW_TO_OPT_IN,
+    Compaction,
+    CompactionSettings,
+    compaction_request,
+    continued_request,
+    is_context_overflow,
+    summary_text,
+)
 from gateway.responsecache.cache import Lookup, ResponseCache
 from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.replay import assemble_stream
@@ -47,13 +56,16 @@ class Call:
     # Set on routes the response cache serves (chat completions).
     cache: CacheControls | None = None
     session: str | None = None  # x-kvgate-session: names the session for prefix-break diagnostics
+    compact: bool = False  # continue from a summary when the conversation overflows the context
+    compaction: Compaction | None = None  # set when it did
 
 
 class Proxy:
     def __init__(self, router: Router, request_log: RequestLogWriter,
                  response_cache: ResponseCache | None = None, preparer: Preparer | None = None,
-                 accountant: Accountant | None = None) -> None:
+                 accountant: Accountant | None = None, compaction: CompactionSettings | None = None) -> None:
         self._router = router
+        self._compaction = compaction or CompactionSettings()
         self._log = request_log
         self._cache = response_cache
         self._preparer = preparer
@@ -92,15 +104,20 @@ class Proxy:
             self._router.release(route)
             backend = route.backend
         except GatewayError as exc:
+            if is_context_overflow(exc) and call.route == "chat.completions":
+                if call.compact and (request := compaction_request(call.body, self._compaction)) is not None:
+                    return await self._compact_and_forward(call, request, prepared)
+                exc.message += HOW_TO_OPT_IN
             self._record(call, started, status=exc.status_code, error=exc, cache=cache_status)
             raise
         ttfb = time.perf_counter()
-        headers = {"x-request-id": call.request_id, **prepared.headers}
+        headers = {"x-request-id": call.request_id, **prepared.headers, **_compaction_headers(call)}
         raw = result.raw
         usage = result.body.get("usage")
         if call.route != "embeddings" and isinstance(usage, dict):
             usage, accounted = self._accountant.finish(backend.name, call.model, usage, route.matched_tokens)
-            raw = orjson.dumps({**result.body, "usage": usage, "kvgate": {"usage_source": accounted.source}})
+            raw = orjson.dumps({**result.body, "usage": usage,
+                                "kvgate": {"usage_source": accounted.source, **_compaction_field(call)}})
             headers["x-kvgate-usage-source"] = accounted.source
         self._record(call, started, status=200, backend=backend, usage=usage, ttfb_s=ttfb, cache=cache_status)
         if lookup is not None and self._cache is not None:
@@ -122,7 +139,7 @@ class Proxy:
         def rewrite_usage_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
             # The headers left before the usage was known: the chunk says where its numbers came from.
             usage, accounted = self._accountant.finish(backend.name, call.model, chunk["usage"], route.matched_tokens)
-            return {**chunk, "usage": usage, "kvgate": {"usage_source": accounted.source}}
+            return {**chunk, "usage": usage, "kvgate": {"usage_source": accounted.source, **_compaction_field(call)}}
 
         outcome = StreamOutcome(started_s=started)
         storing = lookup is not None and self._cache is not None and lookup.controls.write
@@ -150,24 +167,51 @@ class Proxy:
                     call, started, status=status, backend=backend, usage=usage,
                     ttfb_s=outcome.first_byte_s, error=error, cache=lookup.status if lookup else None,
                 )
-                # Only a stream that reached [DONE] without an error is an answer worth keeping.
-                if storing and outcome.completed and error is None and lookup and self._cache:
-                    self._cache.store_later(lookup, assemble_stream(outcome.chunks or [], outcome.usage))
+                keep()
+
+        kept = False
+
+        def keep() -> None:
+            """Only a stream that reached [DONE] without an error is an answer worth keeping. Runs
+            before [DONE] is sent, so that a client asking again the moment it has read [DONE]
+            is served from the cache (issue 15)."""
+            nonlocal kept
+            if not kept and storing and outcome.completed and outcome.error is None and lookup and self._cache:
+                kept = True
+                self._cache.store_later(lookup, assemble_stream(outcome.chunks or [], outcome.usage))
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for event in relay_stream(stream, outcome, drop_usage_chunk=drop_usage,
                                                 rewrite_usage_chunk=rewrite_usage_chunk):
+                    if outcome.completed:
+                        keep()
                     yield event
             finally:
                 with anyio.CancelScope(shield=True):
                     await finish()
 
         headers = {**SSE_HEADERS, "x-request-id": call.request_id, **prepared.headers,
-                   **(lookup.headers if lookup else {})}
+                   **(lookup.headers if lookup else {}), **_compaction_headers(call)}
         if (source := self._accountant.source_for(backend.name)) is not None:
             headers["x-kvgate-usage-source"] = source
         return RelayResponse(events(), finish, media_type="text/event-stream", headers=headers)
+
+    async def _compact_and_forward(self, call: Call, request: JSONObject, prepared: Prepared) -> Response:
+        """Summarise the conversation behind the same prefix, then forward it continued from the
+        summary (pipeline/compaction.py says why this keeps the upstream's prefix cache)."""
+        result, route = await self._router.call(
+            call.model, lambda b: b.post_json(call.path, request, salt=tenant_salt(call.principal.tenant)),
+            blocks=prepared.blocks,
+        )
+        self._router.release(route)
+        usage, _ = self._accountant.finish(route.backend.name, call.model, result.body.get("usage"),
+                                           route.matched_tokens)
+        summary = summary_text(result.body)
+        body, replaced = continued_request(call.body, summary)
+        call.body, call.compact = body, False
+        call.compaction = Compaction(summary=summary, replaced_messages=replaced, usage=usage)
+        return await self.forward(call)
 
     def _record(
         self,
@@ -220,6 +264,14 @@ class RelayResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._finish()
+
+
+def _compaction_headers(call: Call) -> dict[str, str]:
+    return {"x-kvgate-compacted": str(call.compaction.replaced_messages)} if call.compaction else {}
+
+
+def _compaction_field(call: Call) -> dict[str, Any]:
+    return {"compaction": call.compaction.report()} if call.compaction else {}
 
 
 def _stream_body(call: Call, backend: Backend) -> JSONObject:

@@ -8,7 +8,6 @@ The CLI flags of `kvgate serve` override the same fields.
 from __future__ import annotations
 
 import ipaddress
-from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -18,9 +17,14 @@ from gateway.canonical.settings import CanonicalSettings
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
+from gateway.pipeline.compaction import CompactionSettings
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.upstream.settings import RoutingSettings
-from gateway.usage.settings import UsageSettings
+from gateway.usage.settings import Price, UsageSettings
+
+# The model id of the embedded default's `/v1/embeddings` (gateway/engine/embeddings.py imports it
+# from here: that module imports torch, this one must not).
+LOCAL_EMBEDDING_MODEL_ID = "all-minilm-l6-v2"
 
 
 class UpstreamSettings(BaseModel):
@@ -81,6 +85,7 @@ class Settings(BaseSettings):
     kvcache: KVCacheSettings = Field(default_factory=KVCacheSettings)
     responsecache: ResponseCacheSettings = Field(default_factory=ResponseCacheSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    compaction: CompactionSettings = Field(default_factory=CompactionSettings)
 
     @field_validator("upstream", mode="before")
     @classmethod
@@ -100,6 +105,15 @@ class Settings(BaseSettings):
         self.upstream = []
         return self
 
+    def price_for(self, model: str | None) -> Price | None:
+        """The configured price of a model; the default price for other remote models; None (not
+        priced) for the built-in engine's models, which run locally and cost nothing per token."""
+        if model is not None and model in self.usage.prices:
+            return self.usage.prices[model]
+        if model in (self.engine.served_model_name, LOCAL_EMBEDDING_MODEL_ID):
+            return None
+        return self.usage.default_price
+
     def is_loopback(self) -> bool:
         if self.host == "localhost":
             return True
@@ -107,8 +121,3 @@ class Settings(BaseSettings):
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
-
-    @property
-    def sqlite_path(self) -> Path | None:
-        prefix = "sqlite+aiosqlite:///"
-        return Path(self.database_url[len(prefix):]) if self.database_url.startswith(prefix) else None

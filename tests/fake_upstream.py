@@ -101,13 +101,15 @@ def create_fake_upstream(prefix_cache_blocks: int = 0, report_cached: bool = Tru
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": 0}}
 
-    lru: OrderedDict[bytes, None] = OrderedDict()
+    lru: OrderedDict[bytes, None] = OrderedDict()  # prefix blocks, keyed by model + chain hash
 
     def chat_usage(body: dict[str, Any], text: str, reply: str) -> dict[str, Any]:
         if not prefix_cache_blocks:
             return usage(text, reply)
         ids = get_encoding("o200k_base").encode(render_prompt(body), disallowed_special=())
-        blocks = prefix_blocks(ids, block_tokens)
+        # A server's prefix cache belongs to one model: another model's blocks never match.
+        model = str(body.get("model")).encode()
+        blocks = [model + block for block in prefix_blocks(ids, block_tokens)]
         hit = 0
         for block in blocks:
             if block not in lru:

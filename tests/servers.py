@@ -19,7 +19,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
+def serve_in_thread(app: Any, port: int | None = None, start_timeout_s: float = 60.0) -> Iterator[str]:
     """Yield the server's base URL (`http://127.0.0.1:PORT`) once it accepts connections."""
     port = port or free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
@@ -27,7 +27,7 @@ def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + start_timeout_s
     while not server.started:
         if not thread.is_alive():
             raise RuntimeError("server thread exited during start-up")

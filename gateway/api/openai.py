@@ -10,6 +10,7 @@ from starlette.responses import Response
 from gateway.api.body import read_json, validate
 from gateway.api.deps import PrincipalDep, ServicesDep
 from gateway.api.responses import json_response
+from gateway.pipeline.compaction import opted_in
 from gateway.proxy import Call
 from gateway.responsecache.controls import read_controls
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -28,6 +29,7 @@ def request_id(request: Request) -> str:
 @router.post("/chat/completions")
 async def chat_completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
+    compact = opted_in(request.headers, body)
     controls = read_controls(request.headers, body)
     parsed = validate(ChatCompletionRequest, body)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
@@ -35,6 +37,7 @@ async def chat_completions(request: Request, services: ServicesDep, principal: P
         request_id(request), principal, "chat.completions", "/chat/completions", parsed.model, body,
         stream=parsed.stream, include_usage=include_usage, cache=controls,
         session=request.headers.get("x-kvgate-session"),
+        compact=compact if compact is not None else principal.tenant in services.settings.compaction.tenants,
     )
     return await services.proxy.forward(call)
 

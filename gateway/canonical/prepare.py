@@ -21,6 +21,7 @@ class Prepared:
     blocks: list[PrefixBlock] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
     breaks: list[str] = field(default_factory=list)
+    layout: list[str] = field(default_factory=list)
     volatile: list[str] = field(default_factory=list)
 
 
@@ -44,12 +45,15 @@ class Preparer:
                 prepared.headers["x-kvgate-canonical"] = ",".join(result.applied)
             if result.volatile:
                 prepared.headers["x-kvgate-volatile"] = ",".join(result.volatile)
-            prepared.breaks = self._tracker.observe(session_key(tenant, result.body, session), result.body)
+            observed = self._tracker.observe(session_key(tenant, result.body, session), result.body)
+            prepared.breaks, prepared.layout = observed.breaks, observed.layout
             if prepared.breaks:
                 prepared.headers["x-kvgate-prefix-break"] = ",".join(prepared.breaks)
-                for reason in prepared.breaks:
-                    if self._on_break:
-                        self._on_break(reason, tenant, body.get("model"))
+            if prepared.layout:
+                prepared.headers["x-kvgate-layout"] = ",".join(prepared.layout)
+            if self._on_break:
+                for reason in [*prepared.breaks, *prepared.layout]:
+                    self._on_break(reason, tenant, body.get("model"))
         ids = self._encoding.encode(render_prompt(prepared.body), disallowed_special=())
         prepared.blocks = prefix_blocks(ids, self._routing.block_tokens)
         return prepared

@@ -19,6 +19,7 @@ from gateway.api.responses import json_response
 from gateway.engine.backend import CHAT, COMPLETIONS
 from gateway.engine.service import Engine, build_engine
 from gateway.errors import ModelNotFound, install_error_handlers
+from gateway.observability.kv_tiers import KV_TIERS_PATH, tier_rows
 from gateway.observability.metrics import engine_metrics_response
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest
 from gateway.settings import Settings
@@ -81,6 +82,11 @@ def create_engine_app(settings: Settings) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return json_response({"object": "list", "data": await engine_of(request).backend.list_models()})
+
+    @app.get("/v1" + KV_TIERS_PATH)
+    async def kv_tiers(request: Request) -> Response:
+        engine = engine_of(request)
+        return json_response({"kv_tiers": tier_rows(engine.kv) if engine.kv is not None else []})
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -16,6 +16,7 @@ from gateway.engine.runner import EngineWorker, Generation, GenerationResult
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.settings import EngineSettings
 from gateway.errors import InvalidRequest, RateLimited
+from gateway.settings import LOCAL_EMBEDDING_MODEL_ID
 from gateway.upstream.backend import JSONObject, UpstreamJSON
 from gateway.upstream.sse import encode_done, encode_event
 
@@ -73,7 +74,14 @@ class EngineBackend:
     def _prompt_ids(self, path: str, body: JSONObject, fuse: bool = False) -> tuple[list[int], list[ChunkSpan]]:
         if path == CHAT:
             if body.get("tools") and body.get("tool_choice") != "none":
-                raise InvalidRequest("the built-in engine's model does not support tools", param="tools")
+                # SmolLM2-135M-Instruct's chat template has no tool syntax and the model was not
+                # trained to call tools: a refusal is honest, a made-up call format would not be.
+                raise InvalidRequest(
+                    f"the built-in engine's model ({self.model_id}) cannot call tools: its chat template has no "
+                    "tool syntax. Send requests with tools to an upstream that supports them "
+                    "(kvgate serve --upstream NAME=BASE_URL), or set tool_choice to 'none'",
+                    param="tools", code="tools_not_supported",
+                )
             if fuse:
                 return chat_ids_with_chunks(self._tokenizer, body["messages"])
             return chat_ids(self._tokenizer, body["messages"]), []
@@ -87,6 +95,9 @@ class EngineBackend:
         raise InvalidRequest("the built-in engine takes one prompt per request", param="prompt")
 
     def _generation(self, path: str, body: JSONObject, salt: str) -> Generation:
+        if path not in (CHAT, COMPLETIONS):
+            raise InvalidRequest(f"{self.model_id} is a chat model and cannot serve {path}; for embeddings ask for "
+                                 f"model {LOCAL_EMBEDDING_MODEL_ID!r}", param="model")
         if (body.get("n") or 1) != 1:
             raise InvalidRequest("the built-in engine supports n=1 only", param="n")
         fuse, share = fuse_options(body)

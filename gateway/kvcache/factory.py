@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from gateway.kvcache.blocks import BlockLayout
 from gateway.kvcache.codec import build_codec
 from gateway.kvcache.keys import ChainKeyer
@@ -76,7 +74,3 @@ def build_metadata_manager(
     keyer = ChainKeyer(block_size, s.hash_seed, "trace", "none", "metadata")
     return KVCacheManager(tiers, keyer=keyer, layout=None, eviction_policy=s.eviction_policy,
                           write_policy=s.write_policy)
-
-
-def layout_for(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> BlockLayout:
-    return BlockLayout(num_layers, num_kv_heads, head_dim, block_size, dtype)

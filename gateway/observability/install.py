@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def install_observability(app: FastAPI, settings: Settings) -> Metrics:
-    metrics = Metrics(settings.observability, settings.usage.price_for)
+    metrics = Metrics(settings.observability, settings.price_for)
     app.state.metrics = metrics
     app.add_middleware(RequestIdMiddleware, metrics=metrics, access_log=settings.observability.access_log)
     if settings.observability.metrics_enabled:

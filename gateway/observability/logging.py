@@ -94,6 +94,10 @@ def configured_secrets(settings: Settings) -> list[str]:
 def configure_logging(settings: Settings, stream: Any = None) -> logging.Handler:
     """Replace the root logger's handlers with one that writes JSON (or text) lines to stderr.
     Uvicorn's loggers propagate to it (run uvicorn with `log_config=None`)."""
+    # transformers' and huggingface_hub's progress bars ("Loading weights ...") write to the same
+    # stderr and would break the one-object-per-line stream; the engine logs its load instead.
+    # Read when those libraries are first imported, which happens after this (in the lifespan).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     handler = logging.StreamHandler(stream or sys.stderr)
     if settings.observability.log_format == "json":
         handler.setFormatter(JsonFormatter())

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from gateway.upstream.router import Router
 from gateway.usage.settings import Price
 
-PriceFor = Callable[[str | None], Price]
+PriceFor = Callable[[str | None], Price | None]  # None: the model is not priced
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_KINDS = ("prompt", "cached", "cache_creation", "completion")
@@ -131,12 +131,14 @@ class Metrics:
         if cache in HIT_KINDS:
             saved = counts["prompt"] + counts["completion"]
             self.saved_tokens.labels("response_cache").inc(saved)
-            self.saved_cost.labels("response_cache").inc(
-                (counts["prompt"] * price.input + counts["completion"] * price.output) / 1e6)
+            if price is not None:
+                self.saved_cost.labels("response_cache").inc(
+                    (counts["prompt"] * price.input + counts["completion"] * price.output) / 1e6)
         elif counts["cached"]:
             self.saved_tokens.labels("kv_cache").inc(counts["cached"])
-            discount = max(price.input - price.cached_input, 0.0)
-            self.saved_cost.labels("kv_cache").inc(counts["cached"] * discount / 1e6)
+            if price is not None:
+                discount = max(price.input - price.cached_input, 0.0)
+                self.saved_cost.labels("kv_cache").inc(counts["cached"] * discount / 1e6)
 
     def observe_prefix_break(self, reason: str, *, tenant: str, model: str | None = None,
                              block_index: int | None = None) -> None:

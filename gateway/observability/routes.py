@@ -19,6 +19,7 @@ from gateway.api.auth import authenticate
 from gateway.api.deps import ServicesDep
 from gateway.api.responses import json_response
 from gateway.errors import InvalidField, NotFound, PermissionDenied
+from gateway.observability.kv_tiers import remote_tier_rows, tier_rows
 from gateway.observability.metrics import Metrics
 from gateway.observability.summary import build_summary, parse_duration
 
@@ -42,7 +43,9 @@ async def require_admin(request: Request) -> None:
         return
     principal = await authenticate(request)
     if not principal.is_admin:
-        raise PermissionDenied("this route needs the admin key")
+        raise PermissionDenied(
+            f"this is an API key of tenant {principal.tenant!r}; this route needs an admin key: the one "
+            "`kvgate serve` printed at first start, a new one from `kvgate keys create --admin`, or KVGATE_ADMIN_KEY")
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
@@ -82,7 +85,7 @@ async def dashboard_summary(services: ServicesDep, metrics: MetricsDep, _: Admin
     except ValueError as exc:
         raise InvalidField(str(exc), param="since") from exc
     summary = await build_summary(services.sessions, window, metrics.settings, metrics.price_for)
-    summary["kv_tiers"] = kv_tiers(metrics)
+    summary["kv_tiers"] = kv_tiers(metrics) or await remote_tier_rows(metrics.live.router)
     summary["upstreams"] = upstreams(metrics)
     summary["prefix_breaks"] = [
         {"time": b.created_at, "reason": b.reason, "tenant": b.tenant, "model": b.model, "block_index": b.block_index}
@@ -94,22 +97,7 @@ async def dashboard_summary(services: ServicesDep, metrics: MetricsDep, _: Admin
 
 def kv_tiers(metrics: Metrics) -> list[dict[str, Any]]:
     kv = metrics.live.kv
-    if kv is None:
-        return []
-    block_bytes = kv.layout.block_nbytes if kv.layout is not None else None
-    tiers = []
-    for t in kv.stats().tiers:
-        loads = t.hits + t.misses
-        tiers.append({
-            "name": t.name, "up": t.up, "num_blocks": t.num_blocks, "used_bytes": t.used_bytes,
-            "capacity_bytes": t.capacity_bytes,
-            "occupancy": t.used_bytes / t.capacity_bytes if t.used_bytes is not None and t.capacity_bytes else None,
-            "hits": t.hits, "misses": t.misses, "hit_ratio": t.hits / loads if loads else None,
-            "evictions": t.evictions, "bytes_read": t.bytes_out, "bytes_written": t.bytes_in,
-            "codec_ratio": (t.num_blocks * block_bytes / t.used_bytes
-                            if block_bytes and t.num_blocks and t.used_bytes else None),
-        })
-    return tiers
+    return tier_rows(kv) if kv is not None else []
 
 
 def upstreams(metrics: Metrics) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ def run_stats(settings: Settings, since: str, *, as_json: bool) -> int:
         engine = make_engine(settings.database_url)
         try:
             return await build_summary(make_sessionmaker(engine), window, settings.observability,
-                                       settings.usage.price_for)
+                                       settings.price_for)
         finally:
             await engine.dispose()
 
@@ -62,7 +62,9 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 def render_text(summary: dict[str, Any], since: str) -> str:
     o = summary["overview"]
-    saved_usd = o["cost_saved_usd"]["response_cache"] + o["cost_saved_usd"]["kv_cache"]
+    saved = o["cost_saved_usd"]
+    saved_usd = ("not priced" if saved["response_cache"] is None
+                 else f"${saved['response_cache'] + saved['kv_cache']:.4f}")
     saved_tokens = o["tokens_saved"]["response_cache"] + o["tokens_saved"]["kv_cache"]
     t = o["tokens"]
     lines = [
@@ -75,7 +77,7 @@ def render_text(summary: dict[str, Any], since: str) -> str:
         f"cache efficiency    {_pct(o['cache_efficiency'])} (read / (read + creation))",
         f"tokens              prompt {t['prompt']}, cached {t['cached']}, cache creation {t['cache_creation']}, "
         f"completion {t['completion']}",
-        f"saved               {saved_tokens} tokens, ${saved_usd:.4f}",
+        f"saved               {saved_tokens} tokens, {saved_usd}",
         f"TTFT p50 / p95      cached {_ms(o['ttft_ms']['cached']['p50'])} / {_ms(o['ttft_ms']['cached']['p95'])}, "
         f"uncached {_ms(o['ttft_ms']['uncached']['p50'])} / {_ms(o['ttft_ms']['uncached']['p95'])}",
     ]

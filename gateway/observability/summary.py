@@ -116,10 +116,14 @@ def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
     upstream_prompt = sum(r.prompt_tokens for r in upstream)
     hit_prompt = sum(r.prompt_tokens for r in ok if r.hit)
     hit_completion = sum(r.completion_tokens for r in ok if r.hit)
-    saved_response = sum(r.prompt_tokens * price_for(r.model).input + r.completion_tokens * price_for(r.model).output
-                         for r in ok if r.hit)
-    saved_kv = sum(r.cached_tokens * max(price_for(r.model).input - price_for(r.model).cached_input, 0.0)
-                   for r in upstream)
+    prices = {r.model: price_for(r.model) for r in ok}
+    # Rows of unpriced models (the built-in engine's) save no dollars; with no priced row at all
+    # the figure is null ("not priced"), not a $0 that reads like a measurement.
+    priced = any(p is not None for p in prices.values())
+    saved_response = sum(r.prompt_tokens * p.input + r.completion_tokens * p.output
+                         for r in ok if r.hit and (p := prices[r.model]) is not None)
+    saved_kv = sum(r.cached_tokens * max(p.input - p.cached_input, 0.0)
+                   for r in upstream if (p := prices[r.model]) is not None)
     ttft_hit = [r.ttfb_ms for r in ok if r.hit and r.ttfb_ms is not None]
     ttft_miss = [r.ttfb_ms for r in ok if not r.hit and r.ttfb_ms is not None]
     return {
@@ -139,8 +143,8 @@ def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
         },
         "tokens_saved": {"response_cache": hit_prompt + hit_completion, "kv_cache": cached},
         "cost_saved_usd": {
-            "response_cache": round(saved_response / 1e6, 6),
-            "kv_cache": round(saved_kv / 1e6, 6),
+            "response_cache": round(saved_response / 1e6, 6) if priced else None,
+            "kv_cache": round(saved_kv / 1e6, 6) if priced else None,
         },
         "ttft_ms": {
             "cached": {"p50": percentile(ttft_hit, 50), "p95": percentile(ttft_hit, 95)},

@@ -35,6 +35,10 @@ class ApiKey(Base):
     key_prefix: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Null: never expires.
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # An admin key opens /dashboard and /admin like KVGATE_ADMIN_KEY (the first start creates one).
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class RequestLog(Base):

@@ -81,6 +81,10 @@ class ResponseCache:
         self._index = SemanticIndex()
         self._hits: Counter[int] = Counter()
         self._pending: set[asyncio.Task[None]] = set()
+        # Answers handed to `store_later` whose SQL insert has not finished: served by exact key
+        # at once, so a client asking again right after the last byte hits (an insert may take
+        # seconds on a busy SQLite file).
+        self._storing: dict[ExactKey, tuple[dict[str, Any], float, Lookup]] = {}
         self._last_sweep = time.monotonic()
         self._feed = ChangeFeed(store, on_entries=self._add, on_purge=self._forget, on_tick=self._tick,
                                 poll_interval_s=settings.poll_interval_s, redis_url=settings.redis_url,
@@ -134,6 +138,11 @@ class ResponseCache:
     def _forget(self, scope: PurgeFilter) -> None:
         ids = [m.id for m in self._directory.by_id.values() if scope.matches(m)]
         self._remove(ids)
+        for key, (_, _, pending) in list(self._storing.items()):
+            if ((scope.tenant is None or pending.tenant == scope.tenant)
+                    and (scope.namespace is None or pending.controls.namespace == scope.namespace)
+                    and (scope.model is None or pending.model == scope.model)):
+                del self._storing[key]
 
     def _remove(self, ids: list[int]) -> None:
         for entry_id in ids:
@@ -184,6 +193,10 @@ class ResponseCache:
         if meta is not None and meta.expires_at > now and await self._load(lookup, meta.id):
             lookup.status = HIT_EXACT
             return
+        storing = self._storing.get(lookup.key)
+        if storing is not None and storing[1] > now:
+            lookup.answer, lookup.status = storing[0], HIT_EXACT
+            return
         if lookup.partition is None or lookup.query is None or self._embedder is None or self._verifier is None:
             return
         lookup.vector = await self._embedder.embed(lookup.query)
@@ -222,18 +235,19 @@ class ResponseCache:
             return
         if not is_complete(completion):
             return
-        task = asyncio.create_task(self._store_entry(lookup, completion))
+        raw = orjson.dumps(completion)
+        if len(raw) > self.settings.max_answer_bytes:
+            return
+        self._storing[lookup.key] = (completion, time.time() + self._ttl_s(lookup), lookup)
+        task = asyncio.create_task(self._store_entry(lookup, completion, raw))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _store_entry(self, lookup: Lookup, completion: dict[str, Any]) -> None:
+    async def _store_entry(self, lookup: Lookup, completion: dict[str, Any], raw: bytes) -> None:
         try:
-            raw = orjson.dumps(completion)
-            if len(raw) > self.settings.max_answer_bytes:
-                return
             if lookup.partition is not None and lookup.vector is None and self._embedder is not None:
                 lookup.vector = await self._embedder.embed(lookup.query or "")
-            ttl_s = min(lookup.controls.ttl_s or self.settings.default_ttl_s, self.settings.max_ttl_s)
+            ttl_s = self._ttl_s(lookup)
             semantic = lookup.partition is not None and lookup.vector is not None
             meta = EntryMeta(0, lookup.tenant, lookup.controls.namespace, lookup.model, lookup.key,
                              lookup.partition if semantic else None, lookup.query if semantic else None,
@@ -245,6 +259,12 @@ class ResponseCache:
             await self._feed.announce()
         except Exception:
             log.exception("response cache: storing an answer failed")
+        finally:
+            if self._storing.get(lookup.key, (None,))[0] is completion:
+                del self._storing[lookup.key]
+
+    def _ttl_s(self, lookup: Lookup) -> float:
+        return min(lookup.controls.ttl_s or self.settings.default_ttl_s, self.settings.max_ttl_s)
 
     async def purge(self, scope: PurgeFilter) -> int:
         purge_id, deleted = await self._store.purge(scope)

@@ -124,6 +124,19 @@ class HttpBackend:
             raise UpstreamProtocolError(f"upstream {self.name!r} sent an unreadable model list") from exc
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
+    async def get_json(self, path: str) -> JSONObject:
+        """A kvgate engine's own JSON endpoints (the dashboard reads its KV tiers)."""
+        with _mapped(self.name):
+            async with self.session.get(self._base + path) as response:
+                raw = await response.read()
+        if response.status >= 400:
+            raise UpstreamStatusError(response.status, _error_body(raw), self.name)
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamProtocolError(f"upstream {self.name!r} sent a body that is not JSON") from exc
+        return parsed if isinstance(parsed, dict) else {}
+
     async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
         with _mapped(self.name):
             async with self.session.post(self._base + path, data=self._payload(body),

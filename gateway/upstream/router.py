@@ -101,9 +101,6 @@ class Router:
             raise ModelNotFound(f"The model {model_id!r} does not exist or is not served here", param="model")
         return serving
 
-    def serves_alone(self, model_id: str) -> bool:
-        return len(self._serving.get(model_id, ())) <= 1
-
     # ------------------------------------------------------------------ choice
 
     def order(self, serving: list[Backend], blocks: Sequence[PrefixBlock]) -> list[tuple[Backend, int]]:

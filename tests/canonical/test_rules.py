@@ -113,17 +113,17 @@ def test_prefix_break_reasons() -> None:
     tracker = PrefixTracker(100)
     base = agent_request("sys", [WEATHER])
     key = session_key("t", base, None)
-    assert tracker.observe(key, base) == []
+    assert tracker.observe(key, base).breaks == []
     grown = {**base, "messages": [*base["messages"], {"role": "assistant", "content": "7 degrees"},
                                   {"role": "user", "content": "thanks"}]}
-    assert tracker.observe(key, grown) == []
-    assert tracker.observe(key, {**grown, "model": "other"}) == [MODEL_SWITCHED]
-    assert tracker.observe(key, {**grown, "model": "other", "tools": [WEATHER, SEARCH]}) == [TOOLS_CHANGED]
+    assert tracker.observe(key, grown).breaks == []
+    assert tracker.observe(key, {**grown, "model": "other"}).breaks == [MODEL_SWITCHED]
+    assert tracker.observe(key, {**grown, "model": "other", "tools": [WEATHER, SEARCH]}).breaks == [TOOLS_CHANGED]
     edited = copy.deepcopy(grown)
     edited.update(model="other", tools=[WEATHER, SEARCH])
     edited["messages"][0]["content"] = "sys v2"
-    assert tracker.observe(key, edited) == [SYSTEM_EDITED]
+    assert tracker.observe(key, edited).breaks == [SYSTEM_EDITED]
     rewritten = copy.deepcopy(edited)
     rewritten["messages"][2]["content"] = "I rewrote my earlier answer"
-    assert tracker.observe(key, rewritten) == [HISTORY_REWRITTEN]
+    assert tracker.observe(key, rewritten).breaks == [HISTORY_REWRITTEN]
     assert session_key("t", base, "abc") != session_key("t", base, None) != session_key("u", base, None)

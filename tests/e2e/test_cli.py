@@ -13,19 +13,20 @@ from pathlib import Path
 import httpx
 import openai
 
+from tests.e2e.readme import env_for
 from tests.servers import free_port
 
 KVGATE = [sys.executable, "-m", "gateway"]
 
 
 def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    clean = env_for(dict(os.environ))
     return subprocess.run(KVGATE + args, cwd=cwd, env={**clean, **env}, capture_output=True, text=True, timeout=120)
 
 
 @contextmanager
 def serving(args: list[str], cwd: Path, port: int, **env: str) -> Iterator[subprocess.Popen[str]]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    clean = env_for(dict(os.environ))
     proc = subprocess.Popen([*KVGATE, "serve", "--port", str(port), *args], cwd=cwd, env={**clean, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -49,14 +50,14 @@ def test_serve_on_embedded_defaults_answers_with_the_engine(tmp_path: Path) -> N
     """The README's first command: no upstream, no key, a fresh directory. kvgate runs the built-in
     engine, creates a first key and prints it once, and answers the demo question."""
     port = free_port()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    clean = env_for(dict(os.environ))
     proc = subprocess.Popen([*KVGATE, "serve", "--port", str(port)], cwd=tmp_path, env=clean,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         key = None
         assert proc.stdout is not None
         for line in proc.stdout:
-            if "shown once" in line:
+            if line.strip().startswith("API key, tenant 'default'"):
                 key = line.rsplit(" ", 1)[1].strip()
             if "Uvicorn running" in line or "Application startup complete" in line:
                 break

@@ -31,7 +31,7 @@ def sdk(gateway: Gateway, key: str | None = None) -> openai.OpenAI:
 
 def test_demo_question_and_kv_reuse(engine_gateway: Gateway) -> None:
     client = sdk(engine_gateway)
-    assert [m.id for m in client.models.list()] == [MODEL]
+    assert [m.id for m in client.models.list()] == [MODEL, "all-minilm-l6-v2"]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
                                            extra_headers=NO_RESPONSE_CACHE)

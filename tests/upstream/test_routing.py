@@ -168,3 +168,4 @@ def test_canonical_and_prefix_break_headers(sqlite_url: str, header: str | None)
         switched = post(gateway, {**chat("Now is 2026-12-02T10:00:00Z.", "hello", tools=tools[:1]),
                                   "model": "fake-model"}, **extra)
         assert switched.headers["x-kvgate-prefix-break"] == "tools_changed"
+        assert switched.headers["x-kvgate-layout"] == "tools_changed_before_stable_turns"

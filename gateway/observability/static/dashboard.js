@@ -26,7 +26,9 @@ function bytes(v) {
   return v.toFixed(i ? 1 : 0) + " " + units[i];
 }
 function ms(v) { return v === null || v === undefined ? "–" : v.toFixed(v < 10 ? 1 : 0) + " ms"; }
-function usd(v) { return "$" + (v || 0).toFixed(v >= 100 ? 0 : 4); }
+// null: no request in the window had a price (local models are not priced unless configured).
+function usd(v) { return v === null || v === undefined ? "not priced" : "$" + v.toFixed(v >= 100 ? 0 : 4); }
+function sum(a, b) { return a === null || b === null ? (a === null ? b : a) : a + b; }
 
 function el(tag, text, cls) {
   const node = document.createElement(tag);
@@ -121,7 +123,7 @@ function table(node, columns, rows) {
 function tiles(o) {
   const t = $("tiles");
   t.replaceChildren();
-  const saved = o.cost_saved_usd.response_cache + o.cost_saved_usd.kv_cache;
+  const saved = sum(o.cost_saved_usd.response_cache, o.cost_saved_usd.kv_cache);
   const items = [
     ["Requests / s", num(o.requests_per_second), num(o.requests) + " requests, " + num(o.errors) + " errors"],
     ["Exact hit rate", pct(o.exact_hit_rate), num(o.response_cache_lookups) + " lookups"],
@@ -130,9 +132,10 @@ function tiles(o) {
     ["Cache efficiency", pct(o.cache_efficiency), "read / (read + creation)"],
     ["Tokens saved", num(o.tokens_saved.response_cache + o.tokens_saved.kv_cache),
      num(o.tokens_saved.response_cache) + " response cache, " + num(o.tokens_saved.kv_cache) + " KV"],
-    ["Cost saved", usd(saved), usd(o.cost_saved_usd.response_cache) + " response cache"],
-    ["TTFT p50 / p95 cached", ms(o.ttft_ms.cached.p50) + " / " + ms(o.ttft_ms.cached.p95), ""],
-    ["TTFT p50 / p95 uncached", ms(o.ttft_ms.uncached.p50) + " / " + ms(o.ttft_ms.uncached.p95), ""],
+    ["Cost saved", usd(saved), saved === null ? "set KVGATE_USAGE__PRICES to price a model"
+                                              : usd(o.cost_saved_usd.response_cache) + " response cache"],
+    ["TTFT cached", ms(o.ttft_ms.cached.p50), "p50; p95 " + ms(o.ttft_ms.cached.p95)],
+    ["TTFT uncached", ms(o.ttft_ms.uncached.p50), "p50; p95 " + ms(o.ttft_ms.uncached.p95)],
   ];
   for (const [label, value, sub] of items) {
     const tile = el("div", null, "tile");
@@ -151,7 +154,7 @@ const GROUP_COLUMNS = [
   ["prompt tok", (r) => num(r.tokens.prompt)],
   ["cached tok", (r) => num(r.tokens.cached)],
   ["completion tok", (r) => num(r.tokens.completion)],
-  ["saved", (r) => usd(r.cost_saved_usd.response_cache + r.cost_saved_usd.kv_cache)],
+  ["saved", (r) => usd(sum(r.cost_saved_usd.response_cache, r.cost_saved_usd.kv_cache))],
   ["TTFT p50", (r) => ms(r.ttft_ms.uncached.p50)],
 ];
 
@@ -205,7 +208,9 @@ async function refresh() {
     });
     if (res.status === 401 || res.status === 403) {
       sessionStorage.removeItem(KEY);
-      showLogin(res.status === 401 ? "That key was not accepted." : "That key is not the admin key.");
+      let reason = res.status === 401 ? "That key was not accepted." : "That key is not an admin key.";
+      try { reason = (await res.json()).error.message || reason; } catch (e) { /* keep the generic reason */ }
+      showLogin(reason);
       return;
     }
     if (!res.ok) throw new Error("HTTP " + res.status);

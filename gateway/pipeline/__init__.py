@@ -1,0 +1,1 @@
+"""The path of one request as domain steps (see ARCHITECTURE.md)."""
