@@ -33,6 +33,7 @@ BENCHMARKS = {
     "agent-session": "bench.agent_session",
     "reliability": "bench.reliability",
     "cascade": "bench.cascade",
+    "fuse": "bench.fuse",
 }
 EVALS = {"semantic": "bench.semantic_eval"}
 T = TypeVar("T")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
 from starlette.responses import Response
 
 from gateway.api.body import read_json
@@ -49,6 +51,10 @@ async def stats(services: ServicesDep, _: AdminDep) -> Response:
     return json_response({**cache.stats(), "entries_never_read": await cache.count_never_read()})
 
 
+# Entry ids are BIGINT in SQL: a larger number cannot name an entry and must not reach the driver.
+MAX_ENTRY_ID = 2**63 - 1
+
+
 @router.post("/response-cache/delete")
 async def delete_entry(request: Request, services: ServicesDep, _: AdminDep) -> Response:
     """Body: `{"id": N}` (the `x-kvgate-cache-id` of a hit) or `{"key": K}` (`x-kvgate-cache-key`)."""
@@ -56,17 +62,18 @@ async def delete_entry(request: Request, services: ServicesDep, _: AdminDep) -> 
     body = await read_json(request, services.settings.max_body_bytes)
     entry_id, key = body.get("id"), body.get("key")
     if isinstance(entry_id, int) and not isinstance(entry_id, bool) and key is None:
-        deleted = await cache.delete(entry_id=entry_id) if 0 < entry_id < 2**63 else 0
-        return json_response({"deleted": deleted, "id": entry_id})
+        if not 1 <= entry_id <= MAX_ENTRY_ID:
+            raise InvalidField(f"id: expected 1..{MAX_ENTRY_ID}", param="id")
+        return json_response({"deleted": await cache.delete(entry_id=entry_id), "id": entry_id})
     if isinstance(key, str) and key and entry_id is None:
         return json_response({"deleted": await cache.delete(key=key), "key": key})
     raise InvalidField("give an integer id or a key string (one of them)")
 
 
 @router.delete("/response-cache/entries/{entry_id}")
-async def delete_by_id(entry_id: int, services: ServicesDep, _: AdminDep) -> Response:
-    # Ids are SQL BIGINTs: a larger number names no entry (and the database would reject it with a 500).
-    deleted = await _cache(services).delete(entry_id=entry_id) if 0 < entry_id < 2**63 else 0
+async def delete_by_id(entry_id: Annotated[int, Path(ge=1, le=MAX_ENTRY_ID)], services: ServicesDep,
+                       _: AdminDep) -> Response:
+    deleted = await _cache(services).delete(entry_id=entry_id)
     if not deleted:
         raise NotFound(f"no cache entry {entry_id}")
     return json_response({"deleted": deleted, "id": entry_id})

@@ -8,6 +8,9 @@ conversation finds the previous turn in cache and nobody waits for the write).
 
 `run` drives one generation alone on the calling thread; the batch scheduler (`scheduler.py`)
 drives many on its model thread.
+
+Just over 300 lines (after issue 17 joined fusion to it): prefill, decode and restore share the
+sequence state and the device cache; a split is due when it grows further.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from gateway.engine.batch import RAGGED, Segment, forward_segments, install
+from gateway.engine.fuse import ChunkSpan, FusedPrefix, Fuser
 from gateway.engine.model import LoadedModel
 from gateway.engine.prefetch import layerwise_cache
 from gateway.engine.sampling import Sampler, SamplingParams, TextStream
@@ -43,6 +47,7 @@ class InitialCache:
     cache: Cache
     num_tokens: int
     restored_from: list[str] = field(default_factory=list)
+    fused: FusedPrefix | None = None  # set when marked chunks were fused into it (KV Fuse)
 
 
 @dataclass(slots=True)
@@ -50,6 +55,8 @@ class Generation:
     prompt_ids: list[int]
     params: SamplingParams
     salt: str = ""
+    chunks: list[ChunkSpan] = field(default_factory=list)  # marked chunks: fused, not prefix-restored
+    recompute_share: float | None = None  # fusion's share for this request; None = the engine's
     on_text: Callable[[str], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     initial: InitialCache | None = None
@@ -67,6 +74,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     token_times: list[float] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    fused_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -85,6 +93,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     prefill_s: float = 0.0
     finish_reason: str | None = None
+    fused: FusedPrefix | None = None
 
     @property
     def done(self) -> bool:
@@ -97,12 +106,14 @@ class Sequence:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv: KVCacheManager | None, *, layerwise_min_tokens: int,
-                 writer: WriteBehindQueue | None = None, read_wait_s: float = 0.0) -> None:
+                 writer: WriteBehindQueue | None = None, read_wait_s: float = 0.0,
+                 fuser: Fuser | None = None) -> None:
         """`read_wait_s`: how long a restore waits for a pending store of the same conversation."""
         self.loaded = loaded
         self.kv = kv
         self.writer = writer
         self.read_wait_s = read_wait_s
+        self.fuser = fuser
         self.layerwise_min_tokens = layerwise_min_tokens
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-layer-loader")
         if getattr(loaded.model.config, "_attn_implementation", None) != RAGGED:
@@ -118,6 +129,10 @@ class ModelRunner:
         prefix. At least the last prompt token is always recomputed: its logits start the answer."""
         if gen.initial is not None:
             return gen.initial
+        if gen.chunks and self.fuser is not None:
+            # The fusion seam: marked chunks are reused at their new positions (engine/fuse.py).
+            fused = self.fuser.fuse(gen.prompt_ids, gen.chunks, gen.salt, gen.recompute_share)
+            return InitialCache(fused.cache, fused.num_tokens, fused.tiers, fused)
         empty = InitialCache(self.empty_cache(), 0)
         if self.kv is None:
             return empty
@@ -164,7 +179,7 @@ class ModelRunner:
             gen=gen, cache=initial.cache, num_cached=initial.num_tokens, restored_from=initial.restored_from,
             sampler=Sampler(gen.params, self.loaded.device), text=TextStream(self.loaded.tokenizer, gen.params.stop),
             started=time.perf_counter() if started is None else started,
-            pending=gen.prompt_ids[initial.num_tokens :],
+            pending=gen.prompt_ids[initial.num_tokens :], fused=initial.fused,
         )
 
     @torch.inference_mode()
@@ -224,12 +239,21 @@ class ModelRunner:
         tail = seq.text.finish()
         if tail and gen.on_text:
             gen.on_text(tail)
-        creation = self._store(seq)
+        cached, fused_tokens = seq.num_cached, 0
+        if seq.fused is None:
+            creation = self._store(seq)
+        else:
+            # Fused KV is approximate: it is never stored under prefix hashes. The chunks seen for
+            # the first time are computed on their own now, after the answer.
+            creation = 0
+            if self.fuser is not None and not gen.cancelled.is_set():
+                creation = self.fuser.store_missing(gen.prompt_ids, seq.fused, gen.salt)
+            cached, fused_tokens = seq.fused.num_restored + seq.fused.num_fused, seq.fused.num_fused
         return GenerationResult(
             text=seq.text.text, finish_reason=seq.finish_reason, prompt_tokens=len(gen.prompt_ids),
-            completion_tokens=len(seq.generated), cached_tokens=seq.num_cached, cache_creation_tokens=creation,
+            completion_tokens=len(seq.generated), cached_tokens=cached, cache_creation_tokens=creation,
             restored_from=seq.restored_from, prefill_s=seq.prefill_s, token_times=seq.token_times,
-            output_ids=seq.generated,
+            output_ids=seq.generated, fused_tokens=fused_tokens,
         )
 
     def run(self, gen: Generation) -> GenerationResult:

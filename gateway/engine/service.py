@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from gateway.engine.fuse import Fuser
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.runner import ModelRunner
 from gateway.engine.scheduler import BatchScheduler, EngineWorker
@@ -50,8 +51,12 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
     writer = None
     if kv is not None and kv_settings.write_behind_max_blocks:
         writer = WriteBehindQueue(kv, max_pending_blocks=kv_settings.write_behind_max_blocks)
+    fuser = None
+    if kv is not None and settings.fuse_enabled:
+        fuser = Fuser(loaded, kv, recompute_share=settings.fuse_recompute_share,
+                      check_layer=settings.fuse_check_layer)
     runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens, writer=writer,
-                         read_wait_s=kv_settings.write_behind_read_wait_s)
+                         read_wait_s=kv_settings.write_behind_read_wait_s, fuser=fuser)
     recompute_s = runner.measure_recompute_s_per_token()
     if kv is not None:
         kv.recompute_s_per_token = recompute_s

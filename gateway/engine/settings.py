@@ -37,6 +37,15 @@ class EngineSettings(BaseModel):
     layerwise_min_tokens: int = Field(
         default=1024, ge=0, description="Restore layer by layer, overlapped with compute, from this prefix length."
     )
+    fuse_enabled: bool = Field(
+        default=True, description="Reuse the KV of chunks a request marks (kvgate.fuse), wherever they sit."
+    )
+    fuse_recompute_share: float = Field(
+        default=0.15, ge=0, le=1, description="Share of reused chunk tokens recomputed (largest KV deviation)."
+    )
+    fuse_check_layer: int = Field(
+        default=1, ge=0, description="Layer whose V deviation picks the tokens to recompute (all tokens up to it)."
+    )
 
     @field_validator("num_threads", mode="before")
     @classmethod

@@ -5,6 +5,12 @@ model id, dtype, KV layout and tenant salt, so the same tokens under another mod
 start a different chain and never share blocks. Tokens are encoded as little-endian int64 and every
 field is length-prefixed, so the encoding is canonical and the hash is stable across processes and
 machines (unlike Python's `hash`).
+
+Chunk keys ("Fuse") name a chunk by its own content, not by what precedes it: the chain starts at a
+root that hashes the chunk's whole token sequence with the same first-block extra and a `chunk`
+marker, so the same document under another tenant or model gets other keys, and a prefix block and
+a chunk block never collide. The last block of a chunk may be partial (padded when stored): the
+root already fixes the chunk's length.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ BlockHash = NewType("BlockHash", bytes)
 """16-byte digest naming one block together with its whole prefix."""
 
 HASH_BYTES = 16
+CHUNK_MARKER = b"\x00chunk"
 
 
 def block_hash_from_id(block_id: int) -> BlockHash:
@@ -66,5 +73,16 @@ class ChainKeyer:
         for i in range(num_full):
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
             parent = self.hash_block(parent, chunk, first if i == 0 else b"")
+            hashes.append(parent)
+        return hashes
+
+    def hash_chunk(self, tenant_salt: str, token_ids: Sequence[int] | np.ndarray) -> list[BlockHash]:
+        """Hashes of the ceil(n / block_size) blocks of one chunk, independent of its position."""
+        tokens = np.asarray(token_ids, dtype="<i8")
+        root = self.hash_block(None, tokens, CHUNK_MARKER + self.first_extra(tenant_salt))
+        hashes: list[BlockHash] = []
+        parent = root
+        for start in range(0, len(tokens), self.block_size):
+            parent = self.hash_block(parent, tokens[start : start + self.block_size], CHUNK_MARKER)
             hashes.append(parent)
         return hashes

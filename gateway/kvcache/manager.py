@@ -321,6 +321,17 @@ class KVCacheManager:
 
         return self._store(hashes, block_of)
 
+    def store_blocks(self, hashes: Sequence[BlockHash], kv: torch.Tensor) -> int:
+        """Cache `kv` (`[num_layers, 2, heads, len(hashes) * block_size, head_dim]`) under keys the
+        caller computed (chunk keys); returns how many blocks were new."""
+        if self.layout is None:
+            raise ValueError("store_blocks() needs a layout")
+        self.layout.check_sequence(kv)
+        size = self.keyer.block_size
+        if kv.shape[3] != len(hashes) * size:
+            raise ValueError(f"kv holds {kv.shape[3]} tokens, not {len(hashes)} blocks of {size}")
+        return self._store(hashes, lambda i: kv[:, :, :, i * size : (i + 1) * size, :])
+
     def store_hashes(self, hashes: Sequence[BlockHash]) -> int:
         """Metadata-only store: record the blocks as present, no tensors."""
         return self._store(hashes, lambda i: _NO_BLOCK)

@@ -11,7 +11,9 @@
 The body form is for clients that cannot set headers:
 `{"kvgate": {"cache": {"no_cache": true, "no_store": true, "namespace": "NS", "ttl": 60,
 "semantic": false, "mode": "refresh"}}}`. It is removed from the body, so the upstream never sees it. A header wins
-over the body when both are given.
+over the body when both are given. The one other key, `fuse` (marks the request's content parts as
+chunks for the built-in engine's KV fusion), is left in the body as `{"kvgate": {"fuse": ...}}`
+for the engine; HTTP upstreams other than kvgate engines never receive it.
 """
 
 from __future__ import annotations
@@ -75,9 +77,13 @@ def read_controls(headers: Mapping[str, str], body: dict[str, Any]) -> CacheCont
     extension = body.pop("kvgate", None)
     options: dict[str, Any] = {}
     if extension is not None:
-        cache = extension.get("cache") if isinstance(extension, dict) else None
+        if not isinstance(extension, dict) or not extension or set(extension) - {"cache", "fuse"}:
+            raise InvalidField("kvgate: expected {\"cache\": {...}} and/or {\"fuse\": ...}", param="kvgate")
+        if "fuse" in extension:
+            body["kvgate"] = {"fuse": extension["fuse"]}
+        cache = extension.get("cache", {})
         if not isinstance(cache, dict):
-            raise InvalidField("kvgate: expected {\"cache\": {...}}", param="kvgate")
+            raise InvalidField("kvgate.cache: expected an object", param="kvgate.cache")
         unknown = set(cache) - {"no_cache", "no_store", "namespace", "ttl", "semantic", "mode"}
         if unknown:
             raise InvalidField(f"kvgate.cache: unknown option {sorted(unknown)[0]!r}", param="kvgate.cache")

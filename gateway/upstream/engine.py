@@ -9,10 +9,11 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import orjson
 
+from gateway.engine.fuse import ChunkSpan
+from gateway.engine.prompt import chat_ids, chat_ids_with_chunks
 from gateway.engine.runner import Generation, GenerationResult
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.scheduler import EngineWorker
@@ -40,14 +41,26 @@ def engine_boundary() -> Iterator[None]:
         raise EngineError(f"the built-in engine failed: {type(exc).__name__}") from exc
 
 
-def _text_of(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return "" if content is None else str(content)
+def fuse_options(body: JSONObject) -> tuple[bool, float | None]:
+    """`{"kvgate": {"fuse": true}}` or `{"kvgate": {"fuse": {"recompute_share": 0.3}}}`: whether the
+    request marks its content parts as chunks to fuse, and its own recompute share if it gives one."""
+    extension = body.get("kvgate")
+    fuse = extension.get("fuse") if isinstance(extension, dict) else None
+    if fuse is None or fuse is False:
+        return False, None
+    if fuse is True:
+        return True, None
+    if isinstance(fuse, dict) and set(fuse) <= {"recompute_share"}:
+        share = fuse.get("recompute_share")
+        if share is None:
+            return True, None
+        if isinstance(share, int | float) and not isinstance(share, bool) and 0 <= share <= 1:
+            return True, float(share)
+    raise InvalidRequest('kvgate.fuse: expected true or {"recompute_share": 0..1}', param="kvgate.fuse")
 
 
 def usage_of(result: GenerationResult) -> JSONObject:
-    return {
+    usage: JSONObject = {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
@@ -55,6 +68,9 @@ def usage_of(result: GenerationResult) -> JSONObject:
         "cache_read_input_tokens": result.cached_tokens,
         "cache_creation_input_tokens": result.cache_creation_tokens,
     }
+    if result.fused_tokens:
+        usage["kvgate"] = {"fused_tokens": result.fused_tokens}
+    return usage
 
 
 class EngineBackend:
@@ -73,7 +89,7 @@ class EngineBackend:
 
     # ------------------------------------------------------------------ requests
 
-    def _prompt_ids(self, path: str, body: JSONObject) -> list[int]:
+    def _prompt_ids(self, path: str, body: JSONObject, fuse: bool = False) -> tuple[list[int], list[ChunkSpan]]:
         if path == CHAT:
             if body.get("tools") and body.get("tool_choice") != "none":
                 # SmolLM2-135M-Instruct's chat template has no tool syntax and the model was not
@@ -84,19 +100,16 @@ class EngineBackend:
                     "(kvgate serve --upstream NAME=BASE_URL), or set tool_choice to 'none'",
                     param="tools", code="tools_not_supported",
                 )
-            messages = [{"role": m.get("role"), "content": _text_of(m.get("content"))} for m in body["messages"]]
-            rendered = self._tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                messages, add_generation_prompt=True, tokenize=True
-            )
-            ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
-            return [int(t) for t in ids]
+            if fuse:
+                return chat_ids_with_chunks(self._tokenizer, body["messages"])
+            return chat_ids(self._tokenizer, body["messages"]), []
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return list(self._tokenizer(prompt)["input_ids"])  # type: ignore[operator]
+            return list(self._tokenizer(prompt)["input_ids"]), []  # type: ignore[operator]
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt]
+            return [int(t) for t in prompt], []
         raise InvalidRequest("the built-in engine takes one prompt per request", param="prompt")
 
     def _generation(self, path: str, body: JSONObject, salt: str) -> Generation:
@@ -105,7 +118,8 @@ class EngineBackend:
                                  f"model {LOCAL_EMBEDDING_MODEL_ID!r}", param="model")
         if (body.get("n") or 1) != 1:
             raise InvalidRequest("the built-in engine supports n=1 only", param="n")
-        prompt_ids = self._prompt_ids(path, body)
+        fuse, share = fuse_options(body)
+        prompt_ids, chunks = self._prompt_ids(path, body, fuse=fuse)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.settings.default_max_tokens
         if len(prompt_ids) + max_tokens > self.settings.max_context_tokens:
             raise InvalidRequest(
@@ -124,7 +138,7 @@ class EngineBackend:
         )
         if self.worker.full():
             raise RateLimited("the built-in engine's queue is full; retry shortly")
-        return Generation(prompt_ids=prompt_ids, params=params, salt=salt)
+        return Generation(prompt_ids=prompt_ids, params=params, salt=salt, chunks=chunks, recompute_share=share)
 
     def _envelope(self, path: str) -> JSONObject:
         prefix = "chatcmpl-" if path == CHAT else "cmpl-"

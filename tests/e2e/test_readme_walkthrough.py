@@ -109,7 +109,7 @@ def test_dashboard_needs_an_admin_key_and_the_first_one_works(first_run: FirstRu
     summary = admin.json()
     assert [t["name"] for t in summary["kv_tiers"]], "the in-process engine's tiers"
     # The built-in engine's model is local: no dollars saved at some other model's price.
-    assert summary["overview"]["cost_saved_usd"] == {"response_cache": None, "kv_cache": None}
+    assert summary["overview"]["cost_saved_usd"] == {"response_cache": None, "kv_cache": None, "condensing": None}
 
 
 def test_tools_on_the_built_in_engine_are_a_documented_400(first_run: FirstRun) -> None:
@@ -132,7 +132,8 @@ def test_embeddings_on_the_default_setup(first_run: FirstRun) -> None:
     vectors = [d.embedding for d in reply.data]
     assert [len(v) for v in vectors] == [384] * 3
     dot = [sum(a * b for a, b in zip(vectors[0], v, strict=True)) for v in vectors[1:]]
-    assert dot[0] > 0.6 > dot[1], dot  # paraphrases close, an unrelated question far
+    # e5 embeddings sit in a narrow cone (unrelated texts score ~0.8): paraphrases must score higher.
+    assert dot[0] > dot[1] + 0.1, dot
     assert reply.usage.prompt_tokens > 0
     floats = httpx.post(first_run.base_url + "/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": texts[0]},
                         headers={"authorization": f"Bearer {first_run.api_key}"}).json()

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from gateway.engine.fuse import Fuser
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.runner import ModelRunner
 from gateway.engine.settings import EngineSettings
@@ -24,15 +25,17 @@ def loaded_model() -> LoadedModel:
 
 @pytest.fixture
 def make_runner(loaded_model: LoadedModel) -> Iterator[Callable[..., ModelRunner]]:
-    """`make_runner(layerwise_min_tokens=..., **kvcache_fields)`: a runner over those tiers only."""
+    """`make_runner(layerwise_min_tokens=..., fuse_share=..., **kvcache_fields)`: a runner over those
+    tiers only; with `fuse_share` it fuses marked chunks at that recompute share."""
     made: list[ModelRunner] = []
 
-    def make(layerwise_min_tokens: int = 100_000, **fields: object) -> ModelRunner:
+    def make(layerwise_min_tokens: int = 100_000, fuse_share: float | None = None, **fields: object) -> ModelRunner:
         settings = KVCacheSettings(**{**NO_TIERS, **fields})
         layout = BlockLayout(loaded_model.num_layers, loaded_model.num_kv_heads, loaded_model.head_dim,
                              settings.block_size, loaded_model.dtype)
         kv = build_manager(settings, model_id=loaded_model.model_id, layout=layout)
-        runner = ModelRunner(loaded_model, kv, layerwise_min_tokens=layerwise_min_tokens)
+        fuser = None if fuse_share is None else Fuser(loaded_model, kv, recompute_share=fuse_share, check_layer=1)
+        runner = ModelRunner(loaded_model, kv, layerwise_min_tokens=layerwise_min_tokens, fuser=fuser)
         made.append(runner)
         return runner
 

@@ -89,3 +89,26 @@ def test_engine_server_behind_gateway_keeps_tenants_apart(sqlite_url: str) -> No
             assert cached(other_key) == 0
         finally:
             gateways.close()
+
+
+def test_marked_documents_report_fused_tokens(engine_gateway: Gateway) -> None:
+    """Documents sent as content parts with kvgate.fuse: the second request, documents reordered,
+    reuses their KV and says so in usage."""
+    client = sdk(engine_gateway)
+    docs = ["The town of Varnholt exports copper and lies on the river Selvel.\n\n",
+            "The town of Mirrendal exports wool and has six stone bridges.\n\n"]
+
+    def ask(order: list[int]) -> openai.types.chat.ChatCompletion:
+        parts = [{"type": "text", "text": docs[i]} for i in order]
+        return client.chat.completions.create(
+            model=MODEL, max_tokens=8, extra_headers=NO_RESPONSE_CACHE, extra_body={"kvgate": {"fuse": True}},
+            messages=[{"role": "user", "content": parts}, {"role": "user", "content": "What does Varnholt export?"}],
+        )
+
+    first = ask([0, 1])
+    assert first.usage is not None and "kvgate" not in (first.usage.model_extra or {})
+    second = ask([1, 0])
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    fused = second.usage.model_extra["kvgate"]["fused_tokens"]
+    assert fused > 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= fused

@@ -30,7 +30,8 @@ def test_semantic_hits_through_messages_and_responses(gw: Gateway, fake_upstream
     assert hit.usage.input_tokens == 0 and hit.usage.cache_read_input_tokens > 0
 
     responses = OpenAI(base_url=gw.v1, api_key=gw.api_key, max_retries=0).responses
-    raw_response = responses.with_raw_response.create(model="fake-model", input=PARAPHRASE, temperature=0)
+    raw_response = responses.with_raw_response.create(model="fake-model", input=PARAPHRASE, temperature=0,
+                                                      max_output_tokens=64)  # the same length limit: same partition
     assert raw_response.headers["x-kvgate-cache"] == "hit-semantic"
     assert raw_response.parse().output_text == first.content[-1].text
     assert upstream_count(fake_upstream) == calls

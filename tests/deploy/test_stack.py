@@ -1,0 +1,214 @@
+"""The compose stack, built and running: kvgate's real image, Debian-made PostgreSQL, Redis and
+Prometheus (deploy/compose.test.yml), driven through the gateway with the openai SDK.
+
+Run by `.ci/run` as its own step when Docker answers (KVGATE_DEPLOY_TEST=1; it builds images and
+starts containers for several minutes, so the ordinary pytest run skips it with the reason):
+    KVGATE_DEPLOY_TEST=1 .venv/bin/python -m pytest -s tests/deploy/test_stack.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.deploy.stack import ENGINES, MODEL, ROOT, Stack, docker_unavailable, eventually
+
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+QUESTION = "How do I reset the password of my wifi router?"
+PARAPHRASE = "How can I reset my wifi router password?"
+# A long shared prefix, so that the engine's KV blocks (16 tokens) cover a second turn.
+MANUAL = ("You are the support assistant of a home network company. Routers have a reset button on the "
+          "back; holding it for ten seconds restores the factory settings, including the wifi password "
+          "printed on the label underneath. ") * 4
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    reason = docker_unavailable()
+    if reason:
+        pytest.skip(reason)
+    stack = Stack()
+    stack.compose("down", "-v", "--remove-orphans", check=False)
+    start = time.monotonic()
+    built = subprocess.run([str(ROOT / "deploy" / "build-images")], cwd=ROOT, capture_output=True, text=True,
+                           env=dict(os.environ, PYTHON=sys.executable), timeout=1800)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    steps = " ".join(line.removeprefix("build-images: ") for line in built.stdout.splitlines()
+                     if line.startswith("build-images: "))
+    stack.log("build", time.monotonic() - start, f"({steps})")
+    try:
+        start = time.monotonic()
+        stack.compose("up", "-d", "--no-build")
+        url = stack.gateway_urls()[0]
+        eventually(lambda: stack.healthy("gateway") and httpx.get(url + "/readyz", timeout=5).status_code == 200,
+                   300, "gateway healthy and ready")
+        stack.log("up", time.monotonic() - start, "(cold start to healthy: postgres, redis, migrate, "
+                  "2 engines, gateway, prometheus)")
+        yield stack
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        start = time.monotonic()
+        stack.compose("down", "-v", "--remove-orphans", check=False)
+        stack.log("down", time.monotonic() - start)
+        print("deploy: summary " + ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in stack.timings))
+
+
+def client(stack: Stack, base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=stack.admin_key, max_retries=0, timeout=180)
+
+
+def chat(sdk: openai.OpenAI, messages: list[dict[str, str]], **kwargs: Any) -> tuple[str, Any]:
+    raw = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                                         temperature=0, **kwargs)
+    return raw.headers.get("x-kvgate-cache", ""), raw.parse()
+
+
+def ask(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def entries(stack: Stack, base_url: str) -> int:
+    stats = httpx.get(base_url + "/admin/response-cache/stats",
+                      headers={"authorization": f"Bearer {stack.admin_key}"}, timeout=10)
+    stats.raise_for_status()
+    return int(stats.json()["entries"])
+
+
+def metric(text: str, name: str, upstream: str) -> float:
+    found = re.search(rf'^{name}\{{upstream="{upstream}"\}} (\S+)$', text, re.MULTILINE)
+    assert found, f"{name} for {upstream} not exported"
+    return float(found.group(1))
+
+
+def test_miss_exact_semantic_and_kv_reuse(stack: Stack) -> None:
+    url = stack.gateway_urls()[0]
+    sdk = client(stack, url)
+    start = time.monotonic()
+    cache, first = chat(sdk, ask(QUESTION), max_tokens=200)
+    stack.log("first-answer", time.monotonic() - start, f"(miss, {first.usage.completion_tokens} tokens)")
+    assert cache == "miss" and first.choices[0].finish_reason == "stop", (cache, first.choices[0])
+    eventually(lambda: entries(stack, url) >= 1, 30, "the answer stored in the response cache")
+
+    cache, exact = chat(sdk, ask(QUESTION), max_tokens=200)
+    assert cache == "hit-exact" and exact.choices[0].message.content == first.choices[0].message.content
+    assert exact.usage.prompt_tokens_details.cached_tokens == exact.usage.prompt_tokens
+    cache, semantic = chat(sdk, ask(PARAPHRASE), max_tokens=200)
+    assert cache == "hit-semantic" and semantic.choices[0].message.content == first.choices[0].message.content
+
+    # KV reuse: the second turn of a conversation starts with the first turn's prompt.
+    turn = [{"role": "system", "content": MANUAL}, {"role": "user", "content": "Where is the reset button?"}]
+    cache, one = chat(sdk, turn, max_tokens=24, extra_headers={"cache-control": "no-cache, no-store"})
+    assert cache == "bypass" and one.usage.prompt_tokens > 64
+    turn += [{"role": "assistant", "content": one.choices[0].message.content or ""},
+             {"role": "user", "content": "And how long do I hold it?"}]
+    cache, two = chat(sdk, turn, max_tokens=24, extra_headers={"cache-control": "no-cache, no-store"})
+    reused = two.usage.prompt_tokens_details.cached_tokens
+    print(f"deploy: kv-reuse second turn cached_tokens={reused} of prompt_tokens={two.usage.prompt_tokens}")
+    assert cache == "bypass" and reused >= one.usage.prompt_tokens // 16 * 16 - 16 > 0
+
+
+def test_engines_share_the_redis_kv_tier(stack: Stack) -> None:
+    """A prefix computed by engine-1 is restored by engine-2 (asked directly, same tenant salt)."""
+    def address(service: str) -> str:
+        name = stack.container(service)
+        ip = subprocess.run(["docker", "inspect", "--format", "{{range .NetworkSettings.Networks}}{{.IPAddress}}"
+                             "{{end}}", name], capture_output=True, text=True, check=True).stdout.strip()
+        return f"http://{ip}:8081/v1/chat/completions"
+
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "system", "content": MANUAL + uuid.uuid4().hex},
+                         {"role": "user", "content": "Summarise the manual."}]}
+    salt = {"x-kvgate-cache-salt": "deploy-test"}
+    first = httpx.post(address("engine-1"), json=body, headers=salt, timeout=180).json()
+    second = httpx.post(address("engine-2"), json=body, headers=salt, timeout=180).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    reused = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    print(f"deploy: shared-kv engine-2 restored {reused} of {second['usage']['prompt_tokens']} prompt tokens")
+    assert reused > 64
+
+
+def test_prometheus_scrapes_gateway_and_engines(stack: Stack) -> None:
+    start = time.monotonic()
+    targets = eventually(lambda: len(stack.prometheus('up{job=~"kvgate-.*"} == 1')) == 3 and 3, 90,
+                         "prometheus sees the gateway and both engines up")
+    # The first test made five chat requests on this replica: a miss, two hits, two bypassing turns.
+    requests = eventually(lambda: {r["metric"].get("cache", ""): float(r["value"][1]) for r in
+                                   stack.prometheus("sum by (cache) (kvgate_requests_total)")}, 60,
+                          "kvgate_requests_total scraped")
+    lookups = eventually(lambda: stack.prometheus("kvgate_kv_lookups_total > 0"), 60, "engine KV metrics scraped")
+    stack.log("prometheus", time.monotonic() - start, f"({targets} targets up, requests by cache {requests}, "
+              f"KV lookups on {len(lookups)} engines)")
+    assert sum(requests.values()) >= 5 and len(lookups) == 2
+
+
+def test_scale_gateway_to_three_replicas(stack: Stack) -> None:
+    start = time.monotonic()
+    stack.compose("up", "-d", "--no-build", "--no-recreate", "--scale", "gateway=3")
+    urls = eventually(lambda: stack.healthy("gateway") and len(stack.gateway_urls()) == 3 and stack.gateway_urls(),
+                      180, "three healthy gateway replicas")
+    stack.log("scale", time.monotonic() - start, "(gateway=3, healthy)")
+    answers = set()
+    for url in urls:
+        cache, exact = chat(client(stack, url), ask(QUESTION), max_tokens=200)
+        assert cache == "hit-exact", (url, cache)
+        cache, semantic = chat(client(stack, url), ask(PARAPHRASE), max_tokens=200)
+        assert cache == "hit-semantic", (url, cache)
+        answers |= {exact.choices[0].message.content, semantic.choices[0].message.content}
+    assert len(answers) == 1, "every replica serves the one stored answer"
+
+
+def test_engine_killed_mid_stream_then_recovery(stack: Stack) -> None:
+    url = stack.gateway_urls()[0]
+    sdk = client(stack, url)
+    story = ask(f"Write a long story about a lighthouse keeper. ({uuid.uuid4().hex})")
+    stream = sdk.chat.completions.create(model=MODEL, messages=story, temperature=0, max_tokens=400,  # type: ignore[arg-type]
+                                         stream=True)
+    received, killed, error = 0, "", None
+    try:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                received += 1
+            if received == 3 and not killed:
+                text = stack.metrics(url)
+                killed = next(e for e in ENGINES if metric(text, "kvgate_upstream_in_flight_requests", e) >= 1)
+                subprocess.run(["docker", "kill", stack.container(killed)], check=True, capture_output=True)
+                killed_at = time.monotonic()
+    except openai.APIError as exc:
+        error = exc
+    assert killed, "the stream ended before an engine could be killed"
+    assert error is not None, f"the stream ended normally after {received} chunks though {killed} was killed"
+    print(f"deploy: kill {killed} after {received} chunks -> {type(error).__name__}: {error}")
+
+    # Recovery without the killed engine: the router fails over to the other one.
+    cache, answer = chat(sdk, ask(f"Name a colour. ({uuid.uuid4().hex})"), max_tokens=16)
+    assert cache == "miss" and answer.choices[0].message.content
+    # The broken stream was not cached: asking it again goes to an engine.
+    again = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=story, temperature=0,  # type: ignore[arg-type]
+                                                          max_tokens=8)
+    assert again.headers.get("x-kvgate-cache") == "miss"
+    stack.log("kill", time.monotonic() - killed_at, f"(killed {killed}; {error.__class__.__name__}; next request "
+              "served by the other engine)")
+
+    # The killed engine comes back (compose starts it again) and the router takes it back.
+    start = time.monotonic()
+    state = stack.state(stack.container(killed))
+    policy = f"running={state['Running']} after the restart policy"
+    stack.compose("up", "-d", "--no-build", "--no-recreate", "--scale", "gateway=3")
+    eventually(lambda: stack.healthy(killed), 180, f"{killed} healthy again")
+    eventually(lambda: all(metric(stack.metrics(u), "kvgate_upstream_up", killed) == 1
+                           for u in stack.gateway_urls()), 60, f"every gateway routes to {killed} again")
+    stack.log("recover", time.monotonic() - start, f"({killed} healthy and up in every router; {policy})")
+    cache, answer = chat(sdk, ask(f"Name an animal. ({uuid.uuid4().hex})"), max_tokens=16)
+    assert cache == "miss" and answer.choices[0].message.content
