@@ -300,7 +300,8 @@ def main(argv: list[str]) -> int:
     rows = [_row(name, c, stream, cell) for (name, c, stream), cell in cells.items()]
     _add_ratios(rows)
     if (embedder := _embedder_rss()) is not None:
-        notes.append(f"embedder (the semantic cache's model, loaded and run once) adds {embedder[0] / 2**20:.0f} MB RSS "
+        notes.append(f"embedder (the semantic cache's model, loaded and run once) adds {embedder[0] / 2**20:.0f} MB "
+                     "RSS "
                      f"to a process that imported kvgate ({embedder[1] / 2**20:.0f} MB)")
     if args.json:
         print(json.dumps({"rows": rows, "notes": notes}))
