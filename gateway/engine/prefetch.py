@@ -53,11 +53,6 @@ class LayerwiseCache(Cache):
     def __init__(self, layers: list[PrefetchedLayer]) -> None:
         super().__init__(layers=list(layers))
 
-    def wait_all(self) -> None:
-        for layer in self.layers:
-            assert isinstance(layer, PrefetchedLayer)
-            layer.wait()
-
 
 def layerwise_cache(num_layers: int, num_tokens: int, produce: Callable[[int], KV],
                     executor: ThreadPoolExecutor) -> LayerwiseCache:

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.canonical.diagnostics import SYSTEM_EDITED
 from gateway.observability.metrics import Metrics
 from tests.conftest import Gateway
 from tests.observability.conftest import ADMIN, ADMIN_KEY, MODEL, chat, flush_request_log
@@ -63,13 +64,13 @@ def test_summary_shows_tenants_models_and_hits(obs_gateway: Gateway) -> None:
 
 
 def test_prefix_breaks_appear_on_dashboard_and_metrics(obs_gateway: Gateway, obs_metrics: Metrics) -> None:
-    obs_metrics.observe_prefix_break("system_prompt_changed", tenant="team-a", model=MODEL,
+    obs_metrics.observe_prefix_break(SYSTEM_EDITED, tenant="team-a", model=MODEL,
                                                   block_index=3)
     data = httpx.get(obs_gateway.base_url + "/dashboard/api/summary", headers=ADMIN).json()
-    assert data["prefix_breaks"][0]["reason"] == "system_prompt_changed"
+    assert data["prefix_breaks"][0]["reason"] == SYSTEM_EDITED
     assert data["prefix_breaks"][0]["block_index"] == 3
     metrics = httpx.get(obs_gateway.base_url + "/metrics").text
-    assert 'kvgate_prefix_breaks_total{reason="system_prompt_changed"} 1.0' in metrics
+    assert f'kvgate_prefix_breaks_total{{reason="{SYSTEM_EDITED}"}} 1.0' in metrics
 
 
 @pytest.fixture(scope="module")
