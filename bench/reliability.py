@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import statistics
 import subprocess
@@ -37,8 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.overhead import REPO, _free_port, _percentile, _process, _uvicorn
-
-PG_ADMIN_DSN = os.environ.get("KVGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 @dataclass(slots=True)
@@ -114,27 +111,15 @@ async def run_load(port: int, key: str, *, concurrency: int, duration_s: float, 
     return load
 
 
-async def _pg(sql: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(PG_ADMIN_DSN)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
 @contextmanager
 def _database(kind: str, tmp: Path) -> Iterator[str]:
     if kind == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp / f'reliability-{secrets.token_hex(3)}.db'}"
         return
-    name = f"kvgate_bench_{secrets.token_hex(4)}"
-    asyncio.run(_pg(f"CREATE DATABASE {name}"))
-    try:
-        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        asyncio.run(_pg(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    from tests.conftest import fresh_postgres_database  # the tests' own throwaway database
+
+    with fresh_postgres_database() as url:
+        yield url
 
 
 async def _counts(url: str) -> tuple[int, int]:
