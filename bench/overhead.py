@@ -7,8 +7,9 @@ concurrency 1 and 32, streaming and not. Every request is unique (`kvgate miss`:
 which the language gate keeps from the semantic cache: exact lookup, forward, store, log); the
 `kvgate hit` rows repeat one request so the exact cache answers. The question rows send real
 questions (QQP, read from ../shared/data; each asked once across all rows, no temperature, as an
-application sends them) through kvgate with the semantic cache on (its default) and off
-(`x-kvgate-semantic: off`), and through the bare proxy: what a semantic-eligible miss costs. The
+application sends them) through kvgate with the semantic cache on (its default), on with no CPU
+budget for its embeddings (`KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE=0`, a second gateway) and
+off (`x-kvgate-semantic: off`), and through the bare proxy: what a semantic-eligible miss costs. The
 cache fills as it runs (every answer is stored). The x-kvgate-cache column counts what kvgate
 said it did.
 
@@ -47,6 +48,7 @@ from bench.loadgen import RunResult, run_load
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = REPO.parent / "shared" / "data" / "qqp" / "dev.jsonl.gz"
 OFF, ON = "kvgate questions, semantic off", "kvgate questions, semantic on"
+UNBUDGETED = "kvgate questions, semantic on, no CPU budget"
 QUESTION = "What is the capital of France?"
 # Unique prompts from random words: different enough that no semantic neighbour can answer them.
 WORDS = [
@@ -275,9 +277,21 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
              Target("kvgate miss", f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid),
              Target("kvgate hit", f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid, unique=False)]
     if QUESTIONS.is_file():
+        # The same gateway with no CPU budget for the semantic cache's embeddings (every plausible
+        # lookup embeds, however busy the gateway is), on its own database.
+        free_port, free_db = _free_port(), f"sqlite+aiosqlite:///{tmp / 'unbudgeted.db'}"
+        free_key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
+                                   "--database-url", free_db], cwd=tmp, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        free_pid = stack.enter_context(_process(
+            [sys.executable, "-m", "gateway", "serve", "--port", str(free_port), "--upstream", f"fake={fake}",
+             "--database-url", free_db], f"http://127.0.0.1:{free_port}/readyz", timeout_s=400,
+            env={"KVGATE_LOG_LEVEL": "warning", "KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE": "0"})).pid
         paths += [Target(OFF, f"http://127.0.0.1:{gw_port}/v1", {**auth, "x-kvgate-semantic": "off"}, gw_pid,
                          questions=True),
                   Target(ON, f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid, questions=True),
+                  Target(UNBUDGETED, f"http://127.0.0.1:{free_port}/v1", {"authorization": f"Bearer {free_key}"},
+                         free_pid, questions=True),
                   Target("bare proxy, questions", f"http://127.0.0.1:{bare_port}/v1", {}, bare_pid, questions=True)]
     else:
         notes.append(f"question rows skipped: no QQP questions at {QUESTIONS}")
@@ -383,7 +397,7 @@ def _add_ratios(rows: list[dict[str, object]]) -> None:
         row["rps_vs_bare"] = ratio(row, "bare proxy", "rps")
         row["rps_vs_litellm"] = ratio(row, "litellm", "rps")
         row["cpu_vs_bare"] = ratio(row, "bare proxy", "cpu_ms_per_request")
-        if row["path"] == ON:
+        if row["path"] in (ON, UNBUDGETED):
             off = by_key.get((OFF, row["concurrency"], row["stream"]))
             row["rps_vs_semantic_off"] = ratio(row, OFF, "rps")
             row["cpu_vs_semantic_off"] = ratio(row, OFF, "cpu_ms_per_request")
@@ -400,8 +414,9 @@ def _print_table(rows: list[dict[str, object]], notes: list[str]) -> None:
     for r in rows:
         print("| " + " | ".join("-" if r[k] is None else str(r[k]) for k in keys) + " |")
     for r in rows:
-        if r["path"] == ON:
-            print(f"semantic on vs off (unique real questions), concurrency {r['concurrency']}, stream {r['stream']}: "
+        if r["path"] in (ON, UNBUDGETED):
+            print(f"{r['path']} vs semantic off (unique real questions), concurrency {r['concurrency']}, "
+                  f"stream {r['stream']}: "
                   f"p50 {r['p50_minus_semantic_off_ms']:+} ms, rps x{r['rps_vs_semantic_off']}, "
                   f"cpu x{r['cpu_vs_semantic_off']}")
     for note in notes:

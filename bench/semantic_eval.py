@@ -409,7 +409,8 @@ def print_report(result: dict[str, Any], title: str) -> None:
     for name, row in rows:
         if "cheap_stage" in row and name != "other":
             stage = row["cheap_stage"]
-            print(f"  cheap stage, {name}: ended {stage['ruled_out']:.1%} of lookups with no embedding; the judge alone "
+            print(f"  cheap stage, {name}: ended {stage['ruled_out']:.1%} of lookups with no embedding; the judge "
+                  "alone "
                   f"(every stored question embedded) served {stage['judge_hits']} hits, {stage['hits_lost']} of them "
                   f"not served here ({stage['right_hits_lost']} right); judge alone precision "
                   f"{stage['judge_alone']['precision']:.3f}, recall {stage['judge_alone']['recall']:.3f}")

@@ -64,6 +64,7 @@ KINDS = HIT_KINDS
 # Why a request that could have had a semantic lookup got the exact cache only (response header
 # `x-kvgate-semantic-skipped`); requests that opt out themselves (`x-kvgate-semantic: off`) get none.
 SKIP_SAMPLING, SKIP_TRIVIAL, SKIP_TOO_LONG, SKIP_LANGUAGE = "sampling", "trivial", "too-long", "language-not-validated"
+SKIP_BUSY = "busy"  # plausible, but the embeddings' CPU budget is spent (`embedder.CpuBudget`)
 # How a semantic-eligible miss ended (`x-kvgate-semantic-stage`): ruled out by the cheap stage (no
 # embedding computed), or embedded and judged.
 STAGE_RULED_OUT, STAGE_JUDGED = "ruled-out", "judged"
@@ -130,6 +131,7 @@ class ResponseCache:
         self._new_embeddings: dict[int, np.ndarray] = {}  # computed on demand, not yet in SQL
         self.num_ruled_out = 0  # semantic lookups the cheap stage answered (nothing embedded)
         self.num_judged = 0  # semantic lookups that embedded and asked the judge
+        self.num_busy = 0  # plausible, but forwarded: the embeddings' CPU budget was spent
         self._hits: Counter[int] = Counter()
         self._store_queue: asyncio.Queue[_Queued] = asyncio.Queue(settings.max_store_queue)
         self._writer: asyncio.Task[None] | None = None
@@ -186,7 +188,7 @@ class ResponseCache:
     def stats(self) -> dict[str, Any]:
         return {"entries": len(self._directory), "semantic_entries": len(self._sketches),
                 "embedded_entries": len(self._index), "semantic_ruled_out": self.num_ruled_out,
-                "semantic_judged": self.num_judged,
+                "semantic_judged": self.num_judged, "semantic_busy": self.num_busy,
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
                 "stored": self.num_stored, "store_queue": self._store_queue.qsize(),
                 "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
@@ -294,6 +296,10 @@ class ResponseCache:
         if not plausible:
             lookup.stage = STAGE_RULED_OUT
             self.num_ruled_out += 1
+            return
+        if not self._embedder.budget.available():
+            lookup.semantic_skipped = SKIP_BUSY
+            self.num_busy += 1
             return
         lookup.stage = STAGE_JUDGED
         self.num_judged += 1
@@ -510,7 +516,7 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
     if settings.semantic:
         from gateway.responsecache.embedder import load_model
 
-        embedder = Embedder(await asyncio.to_thread(load_model, settings.embed_threads))
+        embedder = Embedder(await asyncio.to_thread(load_model, settings.embed_threads), settings.semantic_cpu_share)
         verifier = Verifier.load(settings.target_false_hit_rate)
         sketcher = await asyncio.to_thread(Sketcher.load)
     cache = ResponseCache(settings, EntryStore(sessions), embedder, verifier, sketcher)

@@ -18,6 +18,11 @@ class ResponseCacheSettings(BaseModel):
         default=0.01, gt=0, lt=1,
         description="Semantic operating point: wrong hits per semantic lookup (strict), calibrated per language.",
     )
+    semantic_cpu_share: float = Field(
+        default=0.25, ge=0,
+        description="Share of one core the semantic cache's embeddings may use (0 = no limit); past it, "
+                    "lookups are forwarded without one (x-kvgate-semantic-skipped: busy).",
+    )
     embed_threads: int = Field(
         default=1, ge=0, description="Threads of the embedding engine (0 = one per core).",
     )

@@ -1,16 +1,19 @@
 """The staged semantic lookup through the real gateway: a miss no stored question could answer is
 ended by the cheap stage (nothing embedded); a stored question is embedded only when a lookup first
-needs it, and that embedding reaches SQL; a paraphrase is still served."""
+needs it, and that embedding reaches SQL; a paraphrase is still served; past its CPU budget the
+semantic cache forwards instead of embedding."""
 
 from __future__ import annotations
 
 import time
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
+from gateway.responsecache.embedder import CpuBudget
 from tests.conftest import Gateway
-from tests.responsecache.conftest import ADMIN, Client
+from tests.responsecache.conftest import ADMIN, Client, cache_gateway
 
 
 def stats(gw: Gateway) -> dict:
@@ -58,3 +61,26 @@ def test_stored_question_is_embedded_when_first_needed(gw: Gateway) -> None:
         while stored_embedding(gw, question) is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert stored_embedding(gw, question) is not None, "the embedding computed on demand reaches SQL"
+
+
+def test_spent_cpu_budget_forwards_plausible_lookups_without_embedding(
+        fake_upstream: str, tmp_path_factory: pytest.TempPathFactory, embedding_model: object) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('budget') / 'kvgate.db'}"
+    with cache_gateway(fake_upstream, url, semantic_cpu_share=1e-6) as gw:
+        client = Client(gw)
+        client.miss_then_stored("How do I replace the battery of my car key fob?")
+        first = client.chat("How can I replace my car key fob battery?")
+        assert first.cache == "hit-semantic"  # the first lookup finds the budget not yet spent
+        second = client.chat("How do I change the battery in my car key fob?")
+        assert second.cache == "miss" and second.headers.get("x-kvgate-semantic-skipped") == "busy"
+        assert stats(gw)["semantic_busy"] == 1
+
+
+def test_cpu_budget_refills_at_its_share() -> None:
+    budget = CpuBudget(share=0.5)
+    assert budget.available()
+    budget.spend(1.0)
+    assert not budget.available()
+    budget._stamp -= 2.0  # two seconds later: 1.0 s refilled at half a core
+    assert budget.available()
+    assert CpuBudget(share=0).available(), "share 0 is no limit"
