@@ -514,9 +514,16 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
         return None
     embedder = verifier = sketcher = None
     if settings.semantic:
-        from gateway.responsecache.embedder import load_model
+        from gateway.responsecache.backends import EmbeddingBackendError, open_backend
 
-        embedder = Embedder(await asyncio.to_thread(load_model, settings.embed_threads), settings.semantic_cpu_share)
+        try:
+            model = await asyncio.to_thread(open_backend, settings.embedding_backend, model=settings.embedding_model,
+                                            url=settings.embedding_url, api_key=settings.embedding_api_key,
+                                            threads=settings.embed_threads)
+        except EmbeddingBackendError as exc:
+            log.error("response cache: %s", exc)
+            raise
+        embedder = Embedder(model, settings.semantic_cpu_share)
         verifier = Verifier.load(settings.target_false_hit_rate)
         sketcher = await asyncio.to_thread(Sketcher.load)
     cache = ResponseCache(settings, EntryStore(sessions), embedder, verifier, sketcher)
