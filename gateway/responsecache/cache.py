@@ -394,7 +394,7 @@ class ResponseCache:
         if lookup.answer is not None or not lookup.controls.write or completion is None:
             return None
         if complete is None:
-            if not is_complete(completion):
+            if not is_complete(completion, self.settings.store_length_limited):
                 return None
             if not is_storable(completion):
                 self.num_store_rejected += 1

@@ -16,17 +16,19 @@ from typing import Any
 from gateway.schemas.sse import encode_done, encode_event
 
 COMPLETE_REASONS = frozenset({"stop", "tool_calls"})
-_PIECE = re.compile(r"\s*\S+\s*|\s+")
-WORDS_PER_CHUNK = 8
+# Cut at the request's token limit: the same request (the key and the semantic partition carry
+# `max_tokens`) gets the same answer, so it is stored unless `store_length_limited` is off.
+LENGTH = "length"
 
 
-def is_complete(completion: dict[str, Any]) -> bool:
-    """Only an answer that ended by itself is worth replaying: never `length`, `content_filter` or
-    an error."""
+def is_complete(completion: dict[str, Any], length_ok: bool = False) -> bool:
+    """Only an answer that ended by itself (or, with `length_ok`, at the request's own token limit)
+    is worth replaying: never `content_filter` or an error."""
     choices = completion.get("choices")
     if not isinstance(choices, list) or not choices or "error" in completion:
         return False
-    return all(isinstance(c, dict) and c.get("finish_reason") in COMPLETE_REASONS for c in choices)
+    reasons = COMPLETE_REASONS | {LENGTH} if length_ok else COMPLETE_REASONS
+    return all(isinstance(c, dict) and c.get("finish_reason") in reasons for c in choices)
 
 
 def assemble_stream(chunks: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any] | None:

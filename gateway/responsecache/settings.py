@@ -13,6 +13,11 @@ class ResponseCacheSettings(BaseModel):
 
     enabled: bool = Field(default=True, description="Answer repeated chat requests from the exact cache.")
     semantic: bool = Field(default=True, description="Also answer paraphrased questions from the semantic cache.")
+    store_length_limited: bool = Field(
+        default=True,
+        description="Store answers cut at the token limit (finish_reason length): the key and the semantic "
+                    "partition carry max_tokens, so the same request gets the same answer.",
+    )
     default_ttl_s: float = Field(default=86400.0, gt=0, description="Lifetime of an entry unless a request sets one.")
     max_ttl_s: float = Field(default=30 * 86400.0, gt=0, description="Upper bound of a per-request TTL.")
     memory_entries: int = Field(default=10_000, ge=0, description="Answers kept in memory in front of SQL (LRU).")

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.conftest import Gateway
-from tests.responsecache.conftest import ADMIN, Client, other_tenant_key, upstream_count
+from tests.responsecache.conftest import ADMIN, Client, cache_gateway, other_tenant_key, upstream_count
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                            "parameters": {"type": "object", "properties": {
@@ -189,7 +189,31 @@ def test_raw_key_never_revealed(gw: Gateway) -> None:
     assert key not in str(dict(reply.headers)) and key not in reply.body.model_dump_json()
 
 
-@pytest.mark.parametrize("fault, streams", [("finish_length", (False, True)), ("drop_mid_stream", (True,)),
+def test_answers_cut_at_the_token_limit_are_stored_and_served(gw: Gateway) -> None:
+    """LiteLLM, Bifrost and GPTCache cache them: the key carries max_tokens, the answer is the same."""
+    client = Client(gw)
+    for stream in (False, True):
+        text = f"length: write a short poem about the sea ({stream})"
+        first = client.miss_then_stored(text, stream=stream, max_tokens=5, extra_body={"fake_fault": "finish_length"})
+        again = client.chat(text, stream=stream, max_tokens=5, extra_body={"fake_fault": "finish_length"})
+        assert again.cache == "hit-exact" and again.content == first.content
+        finish = again.body.choices[0].finish_reason if again.body else again.chunks[-1].choices[0].finish_reason
+        assert finish == "length"
+        other_limit = client.chat(text, stream=stream, max_tokens=6, extra_body={"fake_fault": "finish_length"})
+        assert other_limit.cache == "miss", "another token limit is another key"
+
+
+def test_length_limited_answers_are_not_stored_when_turned_off(fake_upstream: str,
+                                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('nolength') / 'kvgate.db'}"
+    with cache_gateway(fake_upstream, url, store_length_limited=False) as gateway:
+        client = Client(gateway)
+        client.chat("length: a story that is cut", extra_body={"fake_fault": "finish_length"})
+        time.sleep(0.3)
+        assert client.entries() == 0
+
+
+@pytest.mark.parametrize("fault, streams", [("drop_mid_stream", (True,)),
                                             ("malformed_sse", (True,)), ("status:500", (False, True))])
 def test_incomplete_answers_are_not_stored(gw: Gateway, fault: str, streams: tuple[bool, ...]) -> None:
     client = Client(gw)
