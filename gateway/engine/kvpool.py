@@ -16,7 +16,13 @@ Restored prefixes (tiers), fused caches (KV Fuse) and stores read and write slot
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+from transformers.cache_utils import Cache
+
+from gateway.engine.prefetch import PrefetchedLayer
 
 
 class KVPool:
@@ -55,9 +61,9 @@ class KVPool:
         return 0
 
     def allocate(self) -> int:
-        for slot, taken in enumerate(self.used):
-            if not taken:
-                break
+        free = [slot for slot, taken in enumerate(self.used) if not taken]
+        if free:
+            slot = free[0]
         else:
             slot = len(self.used)
             self._resize(2 * len(self.used), self.capacity)
@@ -77,18 +83,37 @@ class KVPool:
                 capacity *= 2
             self._resize(len(self.used), capacity)
 
-    def load(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put a prefix (per layer `(k, v)`, `[heads, n, head_dim]` or with a batch dim of 1) in
-        the slot; its length becomes n."""
-        n = int(layers[0][0].shape[-2]) if layers else 0
+    def load_layer(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put layer `layer` of a prefix (`[heads, n, head_dim]`, or with a batch dim of 1) at
+        positions [0, n) of the slot."""
+        n = int(k.shape[-2])
         self.reserve(n)
-        for i, (k, v) in enumerate(layers):
-            self.keys[i][slot, :, :n] = k.reshape(self.num_kv_heads, n, self.head_dim)
-            self.values[i][slot, :, :n] = v.reshape(self.num_kv_heads, n, self.head_dim)
-        self.lengths[slot] = n
+        self.keys[layer][slot, :, :n] = k.reshape(self.num_kv_heads, n, self.head_dim)
+        self.values[layer][slot, :, :n] = v.reshape(self.num_kv_heads, n, self.head_dim)
 
-    def read(self, slot: int, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of positions [start, length) of the slot, per layer `[1, heads, n, head_dim]`."""
-        end = self.lengths[slot]
-        return [(k[slot : slot + 1, :, start:end], v[slot : slot + 1, :, start:end])
+    def load_cache(self, slot: int, cache: Cache | None, num_tokens: int) -> Callable[[int], None] | None:
+        """Copy a transformers cache of `num_tokens` positions (a restored prefix, a fused one)
+        into the slot, which then holds that many. Layers still arriving (a layer-by-layer
+        restore) are not waited for: the returned `install(i)` copies layer i, to be called
+        before layer i first runs."""
+        self.lengths[slot] = num_tokens
+        if cache is None or num_tokens == 0:
+            return None
+        self.reserve(num_tokens)
+        layers: list[Any] = list(cache.layers)
+        if any(isinstance(layer, PrefetchedLayer) for layer in layers):
+            def install(i: int) -> None:
+                layer = layers[i]
+                if isinstance(layer, PrefetchedLayer):
+                    layer.wait()
+                self.load_layer(slot, i, layer.keys, layer.values)
+            return install
+        for i, layer in enumerate(layers):
+            self.load_layer(slot, i, layer.keys, layer.values)
+        return None
+
+    def read(self, slot: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of positions [start, end) of the slot, per layer `[1, heads, n, head_dim]` (a
+        copy: the slot is reused once its sequence leaves, and a store is written later)."""
+        return [(k[slot : slot + 1, :, start:end].clone(), v[slot : slot + 1, :, start:end].clone())
                 for k, v in zip(self.keys, self.values, strict=True)]

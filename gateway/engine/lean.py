@@ -20,8 +20,9 @@ Q and K are fused into one rotation, Q/K/V into one matrix product, gate and up 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +35,13 @@ RESCORE = 16  # head candidates re-scored in float32 after a low-precision head
 
 @dataclass(slots=True)
 class Feed:
-    """`tokens` for the sequence in `slot`, at positions `start, start + 1, ...`."""
+    """`tokens` for the sequence in `slot`, at positions `start, start + 1, ...`; `install(i)`,
+    when given, brings layer i of a restore still in flight into the slot before layer i runs."""
 
     slot: int
     start: int
     tokens: Sequence[int]
+    install: Callable[[int], None] | None = None
 
 
 @dataclass(slots=True)
@@ -65,19 +68,19 @@ def supports(model: torch.nn.Module) -> bool:
 class LeanModel:
     def __init__(self, model: torch.nn.Module, weights: str) -> None:
         """`weights`: "int4", "bfloat16" or "float32" (what the matrix products read)."""
-        config = model.config
-        inner: torch.nn.Module = model.model  # type: ignore[assignment]
+        config: Any = model.config
+        inner: Any = model.model
         self.weights = weights
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
         self.hidden = int(config.hidden_size)
         self.eps = float(config.rms_norm_eps)
-        self.embed: torch.Tensor = inner.embed_tokens.weight.detach()  # type: ignore[union-attr]
-        self.norm: torch.Tensor = inner.norm.weight.detach()  # type: ignore[union-attr]
+        self.embed: torch.Tensor = inner.embed_tokens.weight.detach()
+        self.norm: torch.Tensor = inner.norm.weight.detach()
         self.rotary = inner.rotary_emb
         self.layers: list[_Layer] = []
-        for layer in inner.layers:  # type: ignore[union-attr]
+        for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
@@ -87,7 +90,7 @@ class LeanModel:
                 mlp_norm=layer.post_attention_layernorm.weight.detach(), gate_up=Linear(gate_up, weights),
                 down=Linear(mlp.down_proj.weight.detach(), weights),
             ))
-        self.head_weight: torch.Tensor = model.lm_head.weight.detach()  # type: ignore[union-attr]
+        self.head_weight: torch.Tensor = model.get_output_embeddings().weight.detach()  # type: ignore[operator]
         self.head = Linear(self.head_weight, weights)
         self._cos = torch.empty(0, self.head_dim)
         self._sin = torch.empty(0, self.head_dim)
@@ -132,7 +135,10 @@ class LeanModel:
         q_width, kv_width = heads * dim, kv_heads * dim
         x = self.embed[torch.tensor(ids, device=device)]
         t = x.shape[0]
+        installs = [f.install for f in feeds if f.install is not None]
         for i, layer in enumerate(self.layers):
+            for install in installs:
+                install(i)
             qkv = layer.qkv(F.rms_norm(x, (self.hidden,), layer.attn_norm, self.eps))
             qk = qkv[:, : q_width + kv_width].reshape(t, heads + kv_heads, dim)
             qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin
@@ -189,7 +195,7 @@ class _DecodePlan:
     the pool's occupied slots as they are (a view, no copy), each masked to its own length."""
 
     def __init__(self, pool: KVPool, feeds: Sequence[Feed], device: torch.device) -> None:
-        self.num_slots = pool.num_used
+        self.num_slots = max(pool.num_used, *(f.slot + 1 for f in feeds))
         self.length = max(f.start + 1 for f in feeds)
         self.slots = [f.slot for f in feeds]
         self.in_place = self.slots == list(range(self.num_slots))
@@ -202,7 +208,7 @@ class _DecodePlan:
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """`q` `[B, heads, head_dim]` -> `[B, heads, head_dim]`."""
-        b, heads, dim = q.shape
+        heads, dim = q.shape[1], q.shape[2]
         kv_heads = keys.shape[1]
         if self.in_place:
             qs = q

@@ -55,6 +55,7 @@ class Linear:
         if self.exact_for(x.shape[0]):
             return torch.nn.functional.linear(x, self.dense)  # type: ignore[arg-type]
         if self.packed is not None:
+            assert self.scale_zero is not None and self.zero_error is not None
             out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scale_zero)
             # The bfloat16 zero points' rounding, added back per group: a [T, K/32] @ [K/32, N] product.
             return torch.addmm(out.float(), x.reshape(x.shape[0], -1, GROUP).sum(-1), self.zero_error)

@@ -27,6 +27,8 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from gateway.engine.batch import RAGGED, Segment, forward_segments, install
 from gateway.engine.fuse import ChunkSpan, FusedPrefix, Fuser
+from gateway.engine.kvpool import KVPool
+from gateway.engine.lean import Feed
 from gateway.engine.model import LoadedModel
 from gateway.engine.prefetch import layerwise_cache
 from gateway.engine.sampling import Sampler, SamplingParams, TextStream
@@ -79,10 +81,11 @@ class GenerationResult:
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """A generation in flight: its cache, the tokens it still has to feed, what it produced."""
+    """A generation in flight: its KV (a pool slot on the lean path, else a transformers cache),
+    the tokens it still has to feed, what it produced."""
 
     gen: Generation
-    cache: Cache
+    cache: Cache | None
     num_cached: int
     restored_from: list[str]
     sampler: Sampler
@@ -94,6 +97,8 @@ class Sequence:
     prefill_s: float = 0.0
     finish_reason: str | None = None
     fused: FusedPrefix | None = None
+    slot: int | None = None
+    install: Callable[[int], None] | None = None  # a layer-by-layer restore still arriving
 
     @property
     def done(self) -> bool:
@@ -116,6 +121,9 @@ class ModelRunner:
         self.fuser = fuser
         self.layerwise_min_tokens = layerwise_min_tokens
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-layer-loader")
+        self.lean = loaded.lean
+        self.pool = None if self.lean is None else KVPool(
+            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device)
         if getattr(loaded.model.config, "_attn_implementation", None) != RAGGED:
             install(loaded.model)
 
@@ -175,12 +183,23 @@ class ModelRunner:
     # ------------------------------------------------------------------ sequences
 
     def start(self, gen: Generation, initial: InitialCache, started: float | None = None) -> Sequence:
-        return Sequence(
+        seq = Sequence(
             gen=gen, cache=initial.cache, num_cached=initial.num_tokens, restored_from=initial.restored_from,
             sampler=Sampler(gen.params, self.loaded.device), text=TextStream(self.loaded.tokenizer, gen.params.stop),
             started=time.perf_counter() if started is None else started,
             pending=gen.prompt_ids[initial.num_tokens :], fused=initial.fused,
         )
+        if self.pool is not None:
+            seq.slot = self.pool.allocate()
+            seq.install = self.pool.load_cache(seq.slot, initial.cache, initial.num_tokens)
+            seq.cache = None
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        """Give the sequence's pool slot back (`finish` does; call it for one dropped without)."""
+        if self.pool is not None and seq.slot is not None:
+            self.pool.free(seq.slot)
+            seq.slot = None
 
     @torch.inference_mode()
     def step(self, seqs: Seq[Sequence], prefill_chunk_tokens: int | None = None) -> None:
@@ -202,8 +221,16 @@ class ModelRunner:
             feeds.append(seq.pending[:n])
         if not chosen:
             return
-        segments = [Segment(s.cache, len(f)) for s, f in zip(chosen, feeds, strict=True)]
-        logits = forward_segments(self.loaded.model, feeds, segments, self.loaded.device)
+        if self.lean is not None and self.pool is not None:
+            pool = self.pool
+            plan = [Feed(s.slot, pool.lengths[s.slot], f, s.install)  # type: ignore[index, arg-type]
+                    for s, f in zip(chosen, feeds, strict=True)]
+            logits = self.lean.forward(pool, plan)
+            for s in chosen:
+                s.install = None
+        else:
+            segments = [Segment(s.cache, len(f)) for s, f in zip(chosen, feeds, strict=True)]  # type: ignore[arg-type]
+            logits = forward_segments(self.loaded.model, feeds, segments, self.loaded.device)
         now = time.perf_counter()
         eos = self.loaded.eos_token_ids
         for row, seq, fed in zip(logits, chosen, feeds, strict=True):
@@ -241,8 +268,12 @@ class ModelRunner:
             gen.on_text(tail)
         cached, fused_tokens = seq.num_cached, 0
         if seq.fused is None:
-            creation = self._store(seq)
+            try:
+                creation = self._store(seq)
+            finally:
+                self.release(seq)
         else:
+            self.release(seq)
             # Fused KV is approximate: it is never stored under prefix hashes. The chunks seen for
             # the first time are computed on their own now, after the answer.
             creation = 0
@@ -272,18 +303,25 @@ class ModelRunner:
         if self.kv is None or gen.cancelled.is_set() or gen.initial is not None:
             return 0
         num_cached = seq.num_cached
-        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in seq.cache.layers:
-            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if keys is None or values is None:
-                return 0
-            # Only what this request computed: the restored prefix is in the cache already.
-            layers.append((keys[..., num_cached:, :], values[..., num_cached:, :]))
-        seq_len = num_cached + int(layers[0][0].shape[-2])
-        token_ids = (gen.prompt_ids + seq.generated)[:seq_len]
         block_size = self.kv.keyer.block_size
-        if seq_len // block_size * block_size <= num_cached:
-            return 0
+        # Only what this request computed: the restored prefix is in the cache already.
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if seq.slot is not None and self.pool is not None:
+            seq_len = self.pool.lengths[seq.slot]
+            if seq_len // block_size * block_size <= num_cached:
+                return 0
+            layers = self.pool.read(seq.slot, num_cached, seq_len // block_size * block_size)
+        else:
+            assert seq.cache is not None
+            for layer in seq.cache.layers:
+                keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+                if keys is None or values is None:
+                    return 0
+                layers.append((keys[..., num_cached:, :], values[..., num_cached:, :]))
+            seq_len = num_cached + int(layers[0][0].shape[-2])
+            if seq_len // block_size * block_size <= num_cached:
+                return 0
+        token_ids = (gen.prompt_ids + seq.generated)[:seq_len]
         if self.writer is not None:
             if not self.writer.submit(gen.salt, token_ids, layers, kv_start=num_cached):
                 return 0
@@ -297,6 +335,15 @@ class ModelRunner:
     def measure_recompute_s_per_token(self, num_tokens: int = 128) -> float:
         """Time a prefill (also warms the model up): the price of recomputing one token."""
         ids = torch.arange(100, 100 + num_tokens, device=self.loaded.device)[None]
+        if self.lean is not None and self.pool is not None:
+            slot = self.pool.allocate()
+            try:
+                self.lean.forward(self.pool, [Feed(slot, 0, list(range(100, 116)))])
+                started = time.perf_counter()
+                self.lean.forward(self.pool, [Feed(slot, 0, ids[0].tolist())])
+                return (time.perf_counter() - started) / num_tokens
+            finally:
+                self.pool.free(slot)
         with torch.inference_mode():
             self.loaded.model(input_ids=ids[:, :16], use_cache=False)
             started = time.perf_counter()
