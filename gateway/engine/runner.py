@@ -9,8 +9,8 @@ conversation finds the previous turn in cache and nobody waits for the write).
 `run` drives one generation alone on the calling thread; the batch scheduler (`scheduler.py`)
 drives many on its model thread.
 
-Just over 300 lines (after issue 17 joined fusion to it): prefill, decode and restore share the
-sequence state and the device cache; a split is due when it grows further.
+The prefix restore itself is `restore.py`; the forward pass is `lean.py` over the KV pool
+(`kvpool.py`), or transformers' (`batch.py`) when `engine.forward_path` says so.
 """
 
 from __future__ import annotations
@@ -30,26 +30,12 @@ from gateway.engine.fuse import ChunkSpan, FusedPrefix, Fuser
 from gateway.engine.kvpool import KVPool
 from gateway.engine.lean import Feed
 from gateway.engine.model import LoadedModel
-from gateway.engine.prefetch import layerwise_cache
+from gateway.engine.restore import InitialCache, restore_prefix
 from gateway.engine.sampling import Sampler, SamplingParams, TextStream
-from gateway.kvcache.blocks import LoadedPrefix, stack_layers
+from gateway.kvcache.blocks import stack_layers
 from gateway.kvcache.errors import KVCacheError
 from gateway.kvcache.manager import KVCacheManager
 from gateway.kvcache.writebehind import WriteBehindQueue
-
-
-@dataclass(slots=True)
-class InitialCache:
-    """Where a sequence starts: a model cache covering its first `num_tokens` prompt positions.
-
-    A prefix restore builds one (`ModelRunner.initial_cache`); a caller may hand one in instead
-    (`Generation.initial`, e.g. chunk fusion), and the sequence prefills from `num_tokens` on.
-    `restored_from` names the tier of each restored block (empty when not restored)."""
-
-    cache: Cache
-    num_tokens: int
-    restored_from: list[str] = field(default_factory=list)
-    fused: FusedPrefix | None = None  # set when marked chunks were fused into it (KV Fuse)
 
 
 @dataclass(slots=True)
@@ -141,44 +127,11 @@ class ModelRunner:
             # The fusion seam: marked chunks are reused at their new positions (engine/fuse.py).
             fused = self.fuser.fuse(gen.prompt_ids, gen.chunks, gen.salt, gen.recompute_share)
             return InitialCache(fused.cache, fused.num_tokens, fused.tiers, fused)
-        empty = InitialCache(self.empty_cache(), 0)
         if self.kv is None:
-            return empty
-        block_size = self.kv.keyer.block_size
-        usable = (len(gen.prompt_ids) - 1) // block_size * block_size
-        if usable == 0:
-            return empty
-        if self.writer is not None and self.read_wait_s:
-            self.writer.wait_for_prefix(gen.salt, gen.prompt_ids[:usable], self.read_wait_s)
-        try:
-            found = self.kv.lookup(gen.salt, gen.prompt_ids[:usable], pin=True)
-            try:
-                prefix = self.kv.load(found) if found.num_tokens else None
-            finally:
-                self.kv.release(found)
-        except KVCacheError:
-            return empty
-        if prefix is None or prefix.num_tokens == 0:
-            return empty
-        tiers = found.tiers[: prefix.num_tokens // block_size]
-        if layerwise and prefix.num_tokens >= self.layerwise_min_tokens:
-            return InitialCache(self._layerwise(prefix), prefix.num_tokens, tiers)
-        kv = prefix.kv()
-        assert kv is not None
-        device = self.loaded.device
-        layers = [(kv[i, 0][None].to(device), kv[i, 1][None].to(device)) for i in range(kv.shape[0])]
-        return InitialCache(DynamicCache(ddp_cache_data=layers), prefix.num_tokens, tiers)
-
-    def _layerwise(self, prefix: LoadedPrefix) -> Cache:
-        device = self.loaded.device
-
-        def produce(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            layer = prefix.layer(i)
-            assert layer is not None
-            k, v = layer
-            return k[None].to(device, non_blocking=True), v[None].to(device, non_blocking=True)
-
-        return layerwise_cache(self.loaded.num_layers, prefix.num_tokens, produce, self._loader)
+            return InitialCache(self.empty_cache(), 0)
+        return restore_prefix(self.loaded, self.kv, gen.salt, gen.prompt_ids, self.empty_cache(), writer=self.writer,
+                              read_wait_s=self.read_wait_s, loader=self._loader,
+                              layerwise_from=self.layerwise_min_tokens if layerwise else None)
 
     # ------------------------------------------------------------------ sequences
 
@@ -333,21 +286,13 @@ class ModelRunner:
         return max(0, len(gen.prompt_ids) // block_size * block_size - num_cached)
 
     def measure_recompute_s_per_token(self, num_tokens: int = 128) -> float:
-        """Time a prefill (also warms the model up): the price of recomputing one token."""
-        ids = torch.arange(100, 100 + num_tokens, device=self.loaded.device)[None]
-        if self.lean is not None and self.pool is not None:
-            slot = self.pool.allocate()
-            try:
-                self.lean.forward(self.pool, [Feed(slot, 0, list(range(100, 116)))])
-                started = time.perf_counter()
-                self.lean.forward(self.pool, [Feed(slot, 0, ids[0].tolist())])
-                return (time.perf_counter() - started) / num_tokens
-            finally:
-                self.pool.free(slot)
-        with torch.inference_mode():
-            self.loaded.model(input_ids=ids[:, :16], use_cache=False)
+        """Time a prefill (the first, shorter one warms the model up): the price of recomputing one token."""
+        for n in (16, num_tokens):
+            seq = self.start(Generation(list(range(100, 100 + n)), SamplingParams(max_tokens=1)),
+                             InitialCache(self.empty_cache(), 0))
             started = time.perf_counter()
-            self.loaded.model(input_ids=ids, use_cache=False)
+            self.step([seq])
+            self.release(seq)
         return (time.perf_counter() - started) / num_tokens
 
     def close(self) -> None:
