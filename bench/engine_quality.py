@@ -29,7 +29,7 @@ from gateway.engine.lean import Feed, LeanModel
 from gateway.engine.model import LoadedModel
 
 DATA = Path(__file__).parent / "data" / "squad2_dev_5articles.jsonl.gz"
-BATCH = 16  # below the dense-GEMM threshold, so decode rows take the format's own kernel
+BATCH = 16  # sequences decoded together (below the dense float32 threshold of `quant.py`)
 
 
 def prompts(loaded: LoadedModel, num_prompts: int) -> list[list[int]]:
@@ -53,9 +53,9 @@ def _pool(loaded: LoadedModel) -> KVPool:
 
 
 def _run(lean: LeanModel, loaded: LoadedModel, batch: list[list[int]], forced: list[list[int]] | None,
-         new_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy (forced None) or teacher-forced decode of a batch; returns the tokens fed and each
-    sequence's log-probabilities per position `[n, vocab]`."""
+         new_tokens: int, together: bool = True) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy (forced None) or teacher-forced decode of a batch, its sequences stepped together
+    or one at a time; returns the tokens fed and each one's log-probabilities `[n, vocab]`."""
     pool = _pool(loaded)
     slots = [pool.allocate() for _ in batch]
     logits = torch.stack([lean.forward(pool, [Feed(s, 0, ids)])[0] for s, ids in zip(slots, batch, strict=True)])
@@ -74,29 +74,34 @@ def _run(lean: LeanModel, loaded: LoadedModel, batch: list[list[int]], forced: l
         if not live:
             break
         feeds = [Feed(slots[i], len(batch[i]) + len(tokens[i]) - 1, [tokens[i][-1]]) for i in live]
-        logits = lean.forward(pool, feeds)
+        logits = lean.forward(pool, feeds) if together else torch.cat([lean.forward(pool, [f]) for f in feeds])
     return tokens, [torch.stack(rows) for rows in logps]
 
 
-def agreement(loaded: LoadedModel, weights: str, *, num_prompts: int = 50, new_tokens: int = 32,
-              reference: LeanModel | None = None) -> dict[str, Any]:
-    ref = reference or LeanModel(loaded.model, "float32")
+def agreement(loaded: LoadedModel, weights: str, *, num_prompts: int = 50, new_tokens: int = 32) -> dict[str, Any]:
+    """The figures above for one sequence decoding alone (`greedy_agreement`, ...) and for 16
+    decoding together (`batched_*`: their rows share each matrix product, and past a few rows
+    the format may use another kernel, see `quant.py`)."""
+    ref = LeanModel(loaded.model, "float32")
     lean = LeanModel(loaded.model, weights)
     all_prompts = prompts(loaded, num_prompts)
-    agree = positions = matched = 0
-    kl_sum = 0.0
+    out: dict[str, Any] = {"weights": weights, "prompts": len(all_prompts), "new_tokens": new_tokens}
+    references = []
     for at in range(0, len(all_prompts), BATCH):
         batch = all_prompts[at : at + BATCH]
-        ref_tokens, ref_logps = _run(ref, loaded, batch, None, new_tokens)
-        _, logps = _run(lean, loaded, batch, ref_tokens, new_tokens)
-        for want, p, q in zip(ref_tokens, ref_logps, logps, strict=True):
-            picks = q.argmax(dim=-1).tolist()
-            hits = sum(1 for a, b in zip(picks, want, strict=True) if a == b)
-            agree += hits == len(want)
-            matched += hits
-            positions += len(want)
-            kl_sum += float((p.exp() * (p - q)).sum())
-    return {"weights": weights, "prompts": len(all_prompts), "new_tokens": new_tokens,
-            "greedy_agreement": round(agree / len(all_prompts), 3),
-            "token_agreement": round(matched / positions, 4),
-            "next_token_kl": round(kl_sum / positions, 6)}
+        references.append((batch, *_run(ref, loaded, batch, None, new_tokens)))
+    for prefix, together in (("", False), ("batched_", True)):
+        agree = positions = matched = 0
+        kl_sum = 0.0
+        for batch, ref_tokens, ref_logps in references:
+            _, logps = _run(lean, loaded, batch, ref_tokens, new_tokens, together)
+            for want, p, q in zip(ref_tokens, ref_logps, logps, strict=True):
+                hits = sum(1 for a, b in zip(q.argmax(dim=-1).tolist(), want, strict=True) if a == b)
+                agree += hits == len(want)
+                matched += hits
+                positions += len(want)
+                kl_sum += float((p.exp() * (p - q)).sum())
+        out |= {f"{prefix}greedy_agreement": round(agree / len(all_prompts), 3),
+                f"{prefix}token_agreement": round(matched / positions, 4),
+                f"{prefix}next_token_kl": round(kl_sum / positions, 6)}
+    return out

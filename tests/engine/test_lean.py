@@ -56,7 +56,7 @@ def test_int4_recovers_the_q4_1_grid_and_answers_as_float32(loaded_model: Loaded
     # bfloat16 rounding of activations and scales only: a re-quantized weight would be ~10x off.
     assert err < 0.01
     random = torch.randn(64, 64)
-    packed, _, _ = pack_int4(random)
+    packed, _ = pack_int4(random)
     assert packed.dtype == torch.uint8
 
     lean = LeanModel(loaded_model.model, "int4")
