@@ -11,15 +11,16 @@ weight by a few hundredths of a quantization step; with bfloat16 activations, a 
 is off by ~0.3% (relative norm), as with plain bfloat16 weights. The greedy agreement this costs
 is measured by `kvgate bench engine` (`bench/engine_quality.py`).
 
-Measured here (one thread, the linear maps of all 30 layers plus the vocabulary head, M rows
-at once, a quiet machine): int4 8.6 ms at M=1, 13.7 at M=4, 20.9 at M=8, 36.4 at M=16 (its
-cost grows with M); bfloat16 31.6 / 33.8 / 32.3 / 36.2 ms; float32 55 ms at M=1 (under load).
-fbgemm's dynamic int8 (`quantized.linear_dynamic`) scales far better (8.6 / 10.5 / 10.2 /
-15.3 ms) but quantizes each call's activations with one 7-bit scale: 16 sequences decoding together agreed with float32 on 4% of the 50 prompts (next-token
-KL 0.15), so it is not used. The int4 kernel with float32 or float16 activations is 15-60x
-slower (not vectorized): activations are cast to bfloat16 at its input and back at its output.
-From `DENSE_FROM_TOKENS` rows on (a prefill chunk) the float32 matrices win, so a layer keeps
-both when the float32 model is loaded anyway.
+Measured here (one thread, the linear maps of all 30 layers plus the vocabulary head, M rows at
+once, a quiet machine): int4 8.6 ms at M=1, 13.7 at M=4, 20.9 at M=8, 36.4 at M=16 (its cost
+grows with M); bfloat16 31.6 / 33.8 / 32.3 / 36.2 ms; float32 55 ms at M=1 (under load).
+fbgemm's dynamic int8 (`quantized.linear_dynamic`) scales far better (8.6 / 10.5 / 10.2 / 15.3
+ms) but quantizes each call's activations with one 7-bit scale: 16 sequences decoding together
+agreed with float32 on 4% of the 50 prompts (next-token KL 0.15), so it is not used. The int4
+kernel with float32 or float16 activations is 15-60x slower (not vectorized): activations are
+cast to bfloat16 at its input and back at its output. From `DENSE_FROM_TOKENS` rows on (a
+prefill chunk) the float32 matrices win, so a layer keeps both when the float32 model is loaded
+anyway.
 """
 
 from __future__ import annotations
