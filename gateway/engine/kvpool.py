@@ -8,7 +8,9 @@ with a mask for each slot's own length: no per-step concatenation, no per-sequen
 Why slots and not pages: attention over pages needs a gather (a copy of every sequence's KV per
 layer per step) or a paged kernel, which torch on CPU does not have. A slot wastes the capacity
 beyond its own length, so capacity grows by doubling with the longest sequence (a copy of the
-pool, rare) and starts small; the pool never shrinks while the runner lives.
+pool, rare) and starts small. The cost: while one long sequence runs, every slot has its length
+(16 slots x 8,192 positions of SmolLM2 in float32 is 6 GB); a pool past `SHRINK_FROM_BYTES` goes
+back to its first size whenever it empties.
 
 Restored prefixes (tiers), fused caches (KV Fuse) and stores read and write slots through
 `load` / `read`; the pool is used by one thread (the model thread) only.
@@ -24,6 +26,8 @@ from transformers.cache_utils import Cache
 
 from gateway.engine.prefetch import PrefetchedLayer
 
+SHRINK_FROM_BYTES = 1 << 30
+
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -35,6 +39,7 @@ class KVPool:
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []
         self.used: list[bool] = []
+        self._initial = (num_slots, capacity)
         self._resize(num_slots, capacity)
 
     def _resize(self, num_slots: int, capacity: int) -> None:
@@ -51,6 +56,10 @@ class KVPool:
         grow = num_slots - len(self.used)
         self.lengths += [0] * grow
         self.used += [False] * grow
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
 
     @property
     def num_used(self) -> int:
@@ -74,6 +83,9 @@ class KVPool:
     def free(self, slot: int) -> None:
         self.used[slot] = False
         self.lengths[slot] = 0
+        if not any(self.used) and self.nbytes > SHRINK_FROM_BYTES:
+            self.keys, self.values, self.lengths, self.used = [], [], [], []
+            self._resize(*self._initial)
 
     def reserve(self, length: int) -> None:
         """Make room for `length` positions in every slot."""

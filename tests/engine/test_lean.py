@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gateway.engine import kvpool
 from gateway.engine.kvpool import KVPool
 from gateway.engine.lean import Feed, LeanModel
 from gateway.engine.model import LoadedModel
@@ -87,3 +88,15 @@ def test_batched_decode_over_the_pool_matches_each_alone(loaded_model: LoadedMod
         logits = exact.forward(pool, feeds).flip(0)
     assert got == alone
     assert pool.capacity >= max(len(p) for p in prompts) + 6
+
+
+def test_an_emptied_pool_past_its_limit_goes_back_to_its_first_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = KVPool(2, 1, 4, torch.float32, torch.device("cpu"), num_slots=1, capacity=8)
+    first, second = pool.allocate(), pool.allocate()
+    pool.reserve(100)
+    assert (len(pool.used), pool.capacity) == (2, 128)
+    monkeypatch.setattr(kvpool, "SHRINK_FROM_BYTES", 0)
+    pool.free(first)
+    assert pool.capacity == 128, "a slot still in use keeps the pool as it is"
+    pool.free(second)
+    assert (len(pool.used), pool.capacity, pool.num_used) == (1, 8, 0)
