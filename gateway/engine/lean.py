@@ -1,11 +1,12 @@
 """The Llama forward pass written out in torch, over the loaded model's weights and a `KVPool`.
 
-transformers' generic forward reads the weights in the model's dtype and keeps its KV in
-per-sequence caches that grow by concatenation; for a Llama-architecture model (SmolLM2) the
-whole decoder is RMSNorm, RoPE, grouped-query attention and a SwiGLU MLP, small enough to own
-(float32 weights here give transformers' logits: `tests/engine/test_lean.py`). Owning it lets the engine choose the weight format (`quant.py`: int4 with the
-de-quantization inside the kernel by default on CPU, float32 or bfloat16 as settings) and the KV
-layout (one slot per sequence in a preallocated pool).
+transformers' generic forward reads the weights in the model's dtype and keeps its KV in per-
+sequence caches that grow by concatenation; for a Llama-architecture model (SmolLM2) the whole
+decoder is RMSNorm, RoPE, grouped-query attention and a SwiGLU MLP, small enough to own (float32
+weights here give transformers' logits: `tests/engine/test_lean.py`). Owning it lets the engine
+choose the weight format (`quant.py`: int4 with the de-quantization inside the kernel by default
+on CPU, float32 or bfloat16 as settings) and the KV layout (one slot per sequence in a
+preallocated pool).
 
 One `forward` runs a step of several sequences: their new tokens are packed into one `[T, hidden]`
 matrix for every projection and MLP (where batching pays), each token's K/V row is written into
