@@ -26,6 +26,7 @@ BENCHMARKS = {
     "kv-trace": "bench.kv_trace",
     "ttft": "bench.ttft",
     "concurrency": "bench.concurrency",
+    "engine": "bench.engine",
     "prefix-stability": "bench.prefix_stability",
     "routing": "bench.routing",
     "cache-latency": "bench.cache_latency",

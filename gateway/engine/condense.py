@@ -268,7 +268,7 @@ def load_condenser(engine: EngineSettings, **options: Any) -> Condenser:
     prior exists (about 110 MB of embeddings stay, not the whole model)."""
     from gateway.engine.model import load_model
 
-    loaded = load_model(engine.model, engine.model_cache_dir, "cpu", "float32")
+    loaded = load_model(engine.model, engine.model_cache_dir, "cpu", "float32", forward_path="transformers")
     prior_path = engine.model_cache_dir / f"{loaded.model_id.replace('/', '--')}.prior.npy"
     if prior_path.exists():
         prior = np.load(prior_path)

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from gateway.engine.lean import LeanModel, supports
+from gateway.engine.quant import int4_available
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,6 +34,7 @@ class LoadedModel:
     num_kv_heads: int
     head_dim: int
     eos_token_ids: list[int]
+    lean: LeanModel | None = None  # the engine's own forward pass; None: transformers' (`forward_path`)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -94,7 +98,19 @@ def model_directory(name: str, cache_dir: Path) -> tuple[Path, str]:
     return path, path.resolve().name
 
 
-def load_model(name: str, cache_dir: Path, device_name: str = "auto", dtype_name: str = "auto") -> LoadedModel:
+def resolve_weights(name: str, device: torch.device) -> str:
+    """What the lean forward pass's matrix products read: int4 where torch has the CPU kernel."""
+    if name == "auto":
+        return "int4" if int4_available(device) else "float32"
+    if name not in ("int4", "bfloat16", "float32"):
+        raise ValueError(f"engine weights {name!r}: auto, int4, bfloat16 or float32")
+    return name
+
+
+def load_model(name: str, cache_dir: Path, device_name: str = "auto", dtype_name: str = "auto", *,
+               forward_path: str = "lean", weights: str = "auto") -> LoadedModel:
+    """`forward_path` "lean" (`lean.py`, when the model is Llama-style) or "transformers";
+    `weights`: see `resolve_weights` (the lean path only; float32 = the loaded model's own)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, model_id = model_directory(name, cache_dir)
@@ -107,8 +123,16 @@ def load_model(name: str, cache_dir: Path, device_name: str = "auto", dtype_name
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     eos_ids = sorted({t for t in [*eos, tokenizer.eos_token_id, im_end] if isinstance(t, int) and t >= 0})
+    if forward_path not in ("lean", "transformers"):
+        raise ValueError(f"engine forward path {forward_path!r}: lean or transformers")
+    lean = None
+    if forward_path == "lean":
+        if supports(model):
+            lean = LeanModel(model, resolve_weights(weights, device))
+        else:
+            log.warning("%s is not a Llama-style decoder: the engine runs transformers' forward pass", model_id)
     return LoadedModel(
         model=model, tokenizer=tokenizer, model_id=model_id, device=device, dtype=dtype,
         num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_ids, lean=lean,
     )

@@ -9,8 +9,8 @@ conversation finds the previous turn in cache and nobody waits for the write).
 `run` drives one generation alone on the calling thread; the batch scheduler (`scheduler.py`)
 drives many on its model thread.
 
-Just over 300 lines (after issue 17 joined fusion to it): prefill, decode and restore share the
-sequence state and the device cache; a split is due when it grows further.
+The prefix restore itself is `restore.py`; the forward pass is `lean.py` over the KV pool
+(`kvpool.py`), or transformers' (`batch.py`) when `engine.forward_path` says so.
 """
 
 from __future__ import annotations
@@ -27,27 +27,15 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from gateway.engine.batch import RAGGED, Segment, forward_segments, install
 from gateway.engine.fuse import ChunkSpan, FusedPrefix, Fuser
+from gateway.engine.kvpool import KVPool
+from gateway.engine.lean import Feed
 from gateway.engine.model import LoadedModel
-from gateway.engine.prefetch import layerwise_cache
+from gateway.engine.restore import InitialCache, restore_prefix
 from gateway.engine.sampling import Sampler, SamplingParams, TextStream
-from gateway.kvcache.blocks import LoadedPrefix, stack_layers
+from gateway.kvcache.blocks import stack_layers
 from gateway.kvcache.errors import KVCacheError
 from gateway.kvcache.manager import KVCacheManager
 from gateway.kvcache.writebehind import WriteBehindQueue
-
-
-@dataclass(slots=True)
-class InitialCache:
-    """Where a sequence starts: a model cache covering its first `num_tokens` prompt positions.
-
-    A prefix restore builds one (`ModelRunner.initial_cache`); a caller may hand one in instead
-    (`Generation.initial`, e.g. chunk fusion), and the sequence prefills from `num_tokens` on.
-    `restored_from` names the tier of each restored block (empty when not restored)."""
-
-    cache: Cache
-    num_tokens: int
-    restored_from: list[str] = field(default_factory=list)
-    fused: FusedPrefix | None = None  # set when marked chunks were fused into it (KV Fuse)
 
 
 @dataclass(slots=True)
@@ -79,10 +67,11 @@ class GenerationResult:
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """A generation in flight: its cache, the tokens it still has to feed, what it produced."""
+    """A generation in flight: its KV (a pool slot on the lean path, else a transformers cache),
+    the tokens it still has to feed, what it produced."""
 
     gen: Generation
-    cache: Cache
+    cache: Cache | None
     num_cached: int
     restored_from: list[str]
     sampler: Sampler
@@ -94,6 +83,8 @@ class Sequence:
     prefill_s: float = 0.0
     finish_reason: str | None = None
     fused: FusedPrefix | None = None
+    slot: int | None = None
+    install: Callable[[int], None] | None = None  # a layer-by-layer restore still arriving
 
     @property
     def done(self) -> bool:
@@ -116,6 +107,9 @@ class ModelRunner:
         self.fuser = fuser
         self.layerwise_min_tokens = layerwise_min_tokens
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-layer-loader")
+        self.lean = loaded.lean
+        self.pool = None if self.lean is None else KVPool(
+            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device)
         if getattr(loaded.model.config, "_attn_implementation", None) != RAGGED:
             install(loaded.model)
 
@@ -133,54 +127,32 @@ class ModelRunner:
             # The fusion seam: marked chunks are reused at their new positions (engine/fuse.py).
             fused = self.fuser.fuse(gen.prompt_ids, gen.chunks, gen.salt, gen.recompute_share)
             return InitialCache(fused.cache, fused.num_tokens, fused.tiers, fused)
-        empty = InitialCache(self.empty_cache(), 0)
         if self.kv is None:
-            return empty
-        block_size = self.kv.keyer.block_size
-        usable = (len(gen.prompt_ids) - 1) // block_size * block_size
-        if usable == 0:
-            return empty
-        if self.writer is not None and self.read_wait_s:
-            self.writer.wait_for_prefix(gen.salt, gen.prompt_ids[:usable], self.read_wait_s)
-        try:
-            found = self.kv.lookup(gen.salt, gen.prompt_ids[:usable], pin=True)
-            try:
-                prefix = self.kv.load(found) if found.num_tokens else None
-            finally:
-                self.kv.release(found)
-        except KVCacheError:
-            return empty
-        if prefix is None or prefix.num_tokens == 0:
-            return empty
-        tiers = found.tiers[: prefix.num_tokens // block_size]
-        if layerwise and prefix.num_tokens >= self.layerwise_min_tokens:
-            return InitialCache(self._layerwise(prefix), prefix.num_tokens, tiers)
-        kv = prefix.kv()
-        assert kv is not None
-        device = self.loaded.device
-        layers = [(kv[i, 0][None].to(device), kv[i, 1][None].to(device)) for i in range(kv.shape[0])]
-        return InitialCache(DynamicCache(ddp_cache_data=layers), prefix.num_tokens, tiers)
-
-    def _layerwise(self, prefix: LoadedPrefix) -> Cache:
-        device = self.loaded.device
-
-        def produce(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            layer = prefix.layer(i)
-            assert layer is not None
-            k, v = layer
-            return k[None].to(device, non_blocking=True), v[None].to(device, non_blocking=True)
-
-        return layerwise_cache(self.loaded.num_layers, prefix.num_tokens, produce, self._loader)
+            return InitialCache(self.empty_cache(), 0)
+        return restore_prefix(self.loaded, self.kv, gen.salt, gen.prompt_ids, self.empty_cache(), writer=self.writer,
+                              read_wait_s=self.read_wait_s, loader=self._loader,
+                              layerwise_from=self.layerwise_min_tokens if layerwise else None)
 
     # ------------------------------------------------------------------ sequences
 
     def start(self, gen: Generation, initial: InitialCache, started: float | None = None) -> Sequence:
-        return Sequence(
+        seq = Sequence(
             gen=gen, cache=initial.cache, num_cached=initial.num_tokens, restored_from=initial.restored_from,
             sampler=Sampler(gen.params, self.loaded.device), text=TextStream(self.loaded.tokenizer, gen.params.stop),
             started=time.perf_counter() if started is None else started,
             pending=gen.prompt_ids[initial.num_tokens :], fused=initial.fused,
         )
+        if self.pool is not None:
+            seq.slot = self.pool.allocate()
+            seq.install = self.pool.load_cache(seq.slot, initial.cache, initial.num_tokens)
+            seq.cache = None
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        """Give the sequence's pool slot back (`finish` does; call it for one dropped without)."""
+        if self.pool is not None and seq.slot is not None:
+            self.pool.free(seq.slot)
+            seq.slot = None
 
     @torch.inference_mode()
     def step(self, seqs: Seq[Sequence], prefill_chunk_tokens: int | None = None) -> None:
@@ -202,8 +174,16 @@ class ModelRunner:
             feeds.append(seq.pending[:n])
         if not chosen:
             return
-        segments = [Segment(s.cache, len(f)) for s, f in zip(chosen, feeds, strict=True)]
-        logits = forward_segments(self.loaded.model, feeds, segments, self.loaded.device)
+        if self.lean is not None and self.pool is not None:
+            pool = self.pool
+            plan = [Feed(s.slot, pool.lengths[s.slot], f, s.install)  # type: ignore[index, arg-type]
+                    for s, f in zip(chosen, feeds, strict=True)]
+            logits = self.lean.forward(pool, plan)
+            for s in chosen:
+                s.install = None
+        else:
+            segments = [Segment(s.cache, len(f)) for s, f in zip(chosen, feeds, strict=True)]  # type: ignore[arg-type]
+            logits = forward_segments(self.loaded.model, feeds, segments, self.loaded.device)
         now = time.perf_counter()
         eos = self.loaded.eos_token_ids
         for row, seq, fed in zip(logits, chosen, feeds, strict=True):
@@ -241,8 +221,12 @@ class ModelRunner:
             gen.on_text(tail)
         cached, fused_tokens = seq.num_cached, 0
         if seq.fused is None:
-            creation = self._store(seq)
+            try:
+                creation = self._store(seq)
+            finally:
+                self.release(seq)
         else:
+            self.release(seq)
             # Fused KV is approximate: it is never stored under prefix hashes. The chunks seen for
             # the first time are computed on their own now, after the answer.
             creation = 0
@@ -272,18 +256,25 @@ class ModelRunner:
         if self.kv is None or gen.cancelled.is_set() or gen.initial is not None:
             return 0
         num_cached = seq.num_cached
-        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in seq.cache.layers:
-            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if keys is None or values is None:
-                return 0
-            # Only what this request computed: the restored prefix is in the cache already.
-            layers.append((keys[..., num_cached:, :], values[..., num_cached:, :]))
-        seq_len = num_cached + int(layers[0][0].shape[-2])
-        token_ids = (gen.prompt_ids + seq.generated)[:seq_len]
         block_size = self.kv.keyer.block_size
-        if seq_len // block_size * block_size <= num_cached:
-            return 0
+        # Only what this request computed: the restored prefix is in the cache already.
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if seq.slot is not None and self.pool is not None:
+            seq_len = self.pool.lengths[seq.slot]
+            if seq_len // block_size * block_size <= num_cached:
+                return 0
+            layers = self.pool.read(seq.slot, num_cached, seq_len // block_size * block_size)
+        else:
+            assert seq.cache is not None
+            for layer in seq.cache.layers:
+                keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+                if keys is None or values is None:
+                    return 0
+                layers.append((keys[..., num_cached:, :], values[..., num_cached:, :]))
+            seq_len = num_cached + int(layers[0][0].shape[-2])
+            if seq_len // block_size * block_size <= num_cached:
+                return 0
+        token_ids = (gen.prompt_ids + seq.generated)[:seq_len]
         if self.writer is not None:
             if not self.writer.submit(gen.salt, token_ids, layers, kv_start=num_cached):
                 return 0
@@ -295,12 +286,13 @@ class ModelRunner:
         return max(0, len(gen.prompt_ids) // block_size * block_size - num_cached)
 
     def measure_recompute_s_per_token(self, num_tokens: int = 128) -> float:
-        """Time a prefill (also warms the model up): the price of recomputing one token."""
-        ids = torch.arange(100, 100 + num_tokens, device=self.loaded.device)[None]
-        with torch.inference_mode():
-            self.loaded.model(input_ids=ids[:, :16], use_cache=False)
+        """Time a prefill (the first, shorter one warms the model up): the price of recomputing one token."""
+        for n in (16, num_tokens):
+            seq = self.start(Generation(list(range(100, 100 + n)), SamplingParams(max_tokens=1)),
+                             InitialCache(self.empty_cache(), 0))
             started = time.perf_counter()
-            self.loaded.model(input_ids=ids, use_cache=False)
+            self.step([seq])
+            self.release(seq)
         return (time.perf_counter() - started) / num_tokens
 
     def close(self) -> None:

@@ -158,7 +158,8 @@ class BatchScheduler:
                 self.runner.step(seqs, None if alone else self.prefill_chunk_tokens)
             except Exception as exc:
                 log.exception("engine step failed")
-                for entry, _ in self._running:
+                for entry, seq in self._running:
+                    self.runner.release(seq)
                     entry.future.set_exception(exc)
                 self._running = []
                 continue

@@ -42,7 +42,8 @@ class Engine:
 
 def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engine:
     """Blocking (loads a model): call it from a thread when an event loop is running."""
-    loaded = load_model(settings.model, settings.model_cache_dir, settings.device, settings.dtype)
+    loaded = load_model(settings.model, settings.model_cache_dir, settings.device, settings.dtype,
+                        forward_path=settings.forward_path, weights=settings.weights)
     kv = None
     if kv_settings.enabled:
         layout = BlockLayout(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, kv_settings.block_size,

@@ -21,6 +21,12 @@ class EngineSettings(BaseModel):
     )
     device: str = Field(default="auto", description="auto (cuda if present), cpu, cuda:N.")
     dtype: str = Field(default="auto", description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16.")
+    forward_path: str = Field(
+        default="lean", description="lean (own Llama forward over a preallocated KV pool), or transformers (previous)."
+    )
+    weights: str = Field(
+        default="auto", description="Lean path matmul weights: auto (int4 on CPU), int4, bfloat16, float32 (exact)."
+    )
     num_threads: int | None = Field(default=None, ge=1, description="torch CPU threads; unset = torch's default.")
     max_context_tokens: int = Field(default=8192, ge=16, description="Longest prompt + completion accepted.")
     default_max_tokens: int = Field(default=256, ge=1, description="Completion length when max_tokens is not given.")

@@ -1,11 +1,12 @@
 """Write-behind: new KV blocks are stacked, encoded and written to the tiers on a writer thread.
 
-The model thread only hands over references to the finished sequence's per-layer tensors (a
-transformers cache grows by concatenation, so a finished sequence's tensors are never written to
-again) and goes on decoding. The queue is bounded in blocks; a store that does not fit is dropped
-whole and counted, because a stalled decoder costs every running request while a dropped store
-only costs a later recompute. A block becomes visible to lookups when its tier write returned
-(the manager indexes it only then), never before.
+The model thread only hands over per-layer tensors that nobody writes to again (the engine copies
+a finished sequence's new blocks out of its KV pool slot; a transformers cache grows by
+concatenation, so its tensors are never written to again) and goes on decoding. The queue is
+bounded in blocks; a store that does not fit is dropped whole and counted, because a stalled
+decoder costs every running request while a dropped store only costs a later recompute. A block
+becomes visible to lookups when its tier write returned (the manager indexes it only then),
+never before.
 
 The writer thread runs at a lower CPU priority (Linux nice, per thread): on a machine with few
 cores its codec and fsync work should take what the model thread leaves, not the other way round.

@@ -1,0 +1,224 @@
+"""The Llama forward pass written out in torch, over the loaded model's weights and a `KVPool`.
+
+transformers' generic forward reads the weights in the model's dtype and keeps its KV in per-
+sequence caches that grow by concatenation; for a Llama-architecture model (SmolLM2) the whole
+decoder is RMSNorm, RoPE, grouped-query attention and a SwiGLU MLP, small enough to own (float32
+weights here give transformers' logits: `tests/engine/test_lean.py`). Owning it lets the engine
+choose the weight format (`quant.py`: int4 with the de-quantization inside the kernel by default
+on CPU, float32 or bfloat16 as settings) and the KV layout (one slot per sequence in a
+preallocated pool).
+
+One `forward` runs a step of several sequences: their new tokens are packed into one `[T, hidden]`
+matrix for every projection and MLP (where batching pays), each token's K/V row is written into
+its slot in place, and attention runs
+- for all decoding sequences together: one SDPA call per layer over the pool's occupied slots
+  (queries of a KV head's group folded into the query length, so GQA needs no repeated K/V),
+  each slot masked to its own length;
+- for each prefilling chunk on its own (a chunk is many tokens; its call is amortized).
+
+Q and K are fused into one rotation, Q/K/V into one matrix product, gate and up into another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gateway.engine.kvpool import KVPool
+from gateway.engine.quant import Linear
+
+RESCORE = 16  # head candidates re-scored in float32 after a low-precision head
+
+
+@dataclass(slots=True)
+class Feed:
+    """`tokens` for the sequence in `slot`, at positions `start, start + 1, ...`; `install(i)`,
+    when given, brings layer i of a restore still in flight into the slot before layer i runs."""
+
+    slot: int
+    start: int
+    tokens: Sequence[int]
+    install: Callable[[int], None] | None = None
+
+
+@dataclass(slots=True)
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: Linear
+    out: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """A Llama-style decoder without biases, which is what `LeanModel` computes."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or getattr(model.config, "model_type", "") not in ("llama",):
+        return False
+    first = layers[0]
+    projections = [first.self_attn.q_proj, first.self_attn.o_proj, first.mlp.gate_proj, first.mlp.down_proj]
+    return all(getattr(p, "bias", None) is None for p in projections)
+
+
+class LeanModel:
+    def __init__(self, model: torch.nn.Module, weights: str) -> None:
+        """`weights`: "int4", "bfloat16" or "float32" (what the matrix products read)."""
+        config: Any = model.config
+        inner: Any = model.model
+        self.weights = weights
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.hidden = int(config.hidden_size)
+        self.eps = float(config.rms_norm_eps)
+        self.embed: torch.Tensor = inner.embed_tokens.weight.detach()
+        self.norm: torch.Tensor = inner.norm.weight.detach()
+        self.rotary = inner.rotary_emb
+        self.layers: list[_Layer] = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+            self.layers.append(_Layer(
+                attn_norm=layer.input_layernorm.weight.detach(), qkv=Linear(qkv, weights),
+                out=Linear(attn.o_proj.weight.detach(), weights),
+                mlp_norm=layer.post_attention_layernorm.weight.detach(), gate_up=Linear(gate_up, weights),
+                down=Linear(mlp.down_proj.weight.detach(), weights),
+            ))
+        self.head_weight: torch.Tensor = model.get_output_embeddings().weight.detach()  # type: ignore[operator]
+        self.head = Linear(self.head_weight, weights)
+        self._cos = torch.empty(0, self.head_dim)
+        self._sin = torch.empty(0, self.head_dim)
+
+    def _rope(self, positions: torch.Tensor, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin `[T, 1, head_dim]` (rotate_half(x) * sin == x.roll(D/2) * signed sin)."""
+        if upto > self._cos.shape[0]:
+            size = max(upto, 2 * self._cos.shape[0], 1024)
+            probe = torch.zeros(1, dtype=torch.float32, device=self.embed.device)
+            cos, sin = self.rotary(probe, position_ids=torch.arange(size, device=self.embed.device)[None])
+            half = self.head_dim // 2
+            sin = sin[0].float()
+            self._cos = cos[0].float()
+            self._sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
+    @torch.inference_mode()
+    def forward(self, pool: KVPool, feeds: Sequence[Feed]) -> torch.Tensor:
+        """Run every feed's tokens, writing their K/V into the pool; returns the logits of each
+        feed's last token, `[len(feeds), vocab]` (float32), in the order of `feeds`."""
+        device = self.embed.device
+        order = sorted(range(len(feeds)), key=lambda i: len(feeds[i].tokens) > 1)  # decodes first
+        feeds = [feeds[i] for i in order]
+        num_decode = sum(1 for f in feeds if len(f.tokens) == 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
+        for f in feeds:
+            ids.extend(f.tokens)
+            positions.extend(range(f.start, f.start + len(f.tokens)))
+            slots.extend([f.slot] * len(f.tokens))
+            last.append(len(ids) - 1)
+        end = max(f.start + len(f.tokens) for f in feeds)
+        pool.reserve(end)
+        pos_t = torch.tensor(positions, device=device)
+        slot_t = torch.tensor(slots, device=device)
+        cos, sin = self._rope(pos_t, end)
+        decode = _DecodePlan(pool, feeds[:num_decode], device) if num_decode else None
+
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_width, kv_width = heads * dim, kv_heads * dim
+        x = self.embed[torch.tensor(ids, device=device)]
+        t = x.shape[0]
+        installs = [f.install for f in feeds if f.install is not None]
+        for i, layer in enumerate(self.layers):
+            for install in installs:
+                install(i)
+            qkv = layer.qkv(F.rms_norm(x, (self.hidden,), layer.attn_norm, self.eps))
+            qk = qkv[:, : q_width + kv_width].reshape(t, heads + kv_heads, dim)
+            qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin
+            q = qk[:, :heads]
+            pool.keys[i][slot_t, :, pos_t] = qk[:, heads:].to(pool.dtype)
+            pool.values[i][slot_t, :, pos_t] = qkv[:, q_width + kv_width :].reshape(t, kv_heads, dim).to(pool.dtype)
+            parts = []
+            if decode is not None:
+                parts.append(decode.attend(q[:num_decode], pool.keys[i], pool.values[i]))
+            row = num_decode
+            for f in feeds[num_decode:]:
+                n = len(f.tokens)
+                parts.append(self._prefill_attention(q[row : row + n], pool, i, f))
+                row += n
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            x = x + layer.out(attn.reshape(t, q_width))
+            gate, up = layer.gate_up(F.rms_norm(x, (self.hidden,), layer.mlp_norm, self.eps)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        for f in feeds:
+            pool.lengths[f.slot] = f.start + len(f.tokens)
+        logits = self._logits(F.rms_norm(x[last], (self.hidden,), self.norm, self.eps))
+        restore = [0] * len(order)
+        for sorted_index, original in enumerate(order):
+            restore[original] = sorted_index
+        return logits[restore] if order != sorted(order) else logits
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The vocabulary head. Through a lossy format (the head ships as Q8_0, not on int4's grid)
+        the `RESCORE` best candidates are scored again with the float32 rows, so the top of the
+        distribution, and with it every greedy choice, is the float32 one."""
+        logits = self.head(x)
+        if not self.head.exact_for(x.shape[0]):
+            top = logits.topk(RESCORE, dim=-1).indices
+            exact = torch.bmm(self.head_weight[top], x[:, :, None])[..., 0]
+            logits.scatter_(1, top, exact)
+        return logits
+
+    def _prefill_attention(self, q: torch.Tensor, pool: KVPool, layer: int, f: Feed) -> torch.Tensor:
+        """`q` `[n, heads, head_dim]` of one chunk at positions start.. against its slot; `[n, heads, head_dim]`."""
+        n, length = len(f.tokens), f.start + len(f.tokens)
+        k = pool.keys[layer][f.slot : f.slot + 1, :, :length]
+        v = pool.values[layer][f.slot : f.slot + 1, :, :length]
+        mask = None
+        if f.start:
+            rows = torch.arange(n, device=q.device)[:, None] + f.start
+            mask = torch.arange(length, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(k.dtype), k, v, attn_mask=mask,
+                                             is_causal=f.start == 0, enable_gqa=True)
+        return out[0].transpose(0, 1).to(q.dtype)
+
+
+class _DecodePlan:
+    """One token per sequence: the queries of all decoding sequences, laid out by slot, against
+    the pool's occupied slots as they are (a view, no copy), each masked to its own length."""
+
+    def __init__(self, pool: KVPool, feeds: Sequence[Feed], device: torch.device) -> None:
+        self.num_slots = max(pool.num_used, *(f.slot + 1 for f in feeds))
+        self.length = max(f.start + 1 for f in feeds)
+        self.slots = [f.slot for f in feeds]
+        self.in_place = self.slots == list(range(self.num_slots))
+        self.slot_index = torch.tensor(self.slots, device=device)
+        lengths = torch.ones(self.num_slots, dtype=torch.long, device=device)  # idle slots see position 0
+        lengths[self.slot_index] = torch.tensor([f.start + 1 for f in feeds], device=device)
+        self.mask = None
+        if len(feeds) > 1 or not self.in_place or self.length != feeds[0].start + 1:
+            self.mask = (torch.arange(self.length, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`q` `[B, heads, head_dim]` -> `[B, heads, head_dim]`."""
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads = keys.shape[1]
+        if self.in_place:
+            qs = q
+        else:
+            qs = q.new_zeros(self.num_slots, heads, dim)
+            qs[self.slot_index] = q
+        qs = qs.reshape(self.num_slots, kv_heads, heads // kv_heads, dim)
+        k = keys[: self.num_slots, :, : self.length]
+        v = values[: self.num_slots, :, : self.length]
+        out = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=self.mask)
+        out = out.reshape(self.num_slots, heads, dim).to(q.dtype)
+        return out if self.in_place else out[self.slot_index]

@@ -1,0 +1,102 @@
+"""The lean forward pass on the real model: float32 gives transformers' logits; int4 stays close
+and greedy-decodes the same answer on a plain question; sequences batched over the KV pool decode
+as each does alone; slots are reused, and the pool grows past its first capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gateway.engine import kvpool
+from gateway.engine.kvpool import KVPool
+from gateway.engine.lean import Feed, LeanModel
+from gateway.engine.model import LoadedModel
+from gateway.engine.quant import Linear, int4_available, pack_int4
+from tests.engine.test_batching import QUESTIONS, chat_ids
+
+
+def _pool(loaded: LoadedModel, capacity: int = 256) -> KVPool:
+    return KVPool(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device,
+                  num_slots=2, capacity=capacity)
+
+
+def _greedy(lean: LeanModel, pool: KVPool, slot: int, ids: list[int], n: int) -> list[int]:
+    logits = lean.forward(pool, [Feed(slot, 0, ids)])[0]
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = lean.forward(pool, [Feed(slot, len(ids) + len(out) - 1, [out[-1]])])[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def exact(loaded_model: LoadedModel) -> LeanModel:
+    return LeanModel(loaded_model.model, "float32")
+
+
+def test_float32_lean_forward_gives_transformers_logits(loaded_model: LoadedModel, exact: LeanModel) -> None:
+    ids = chat_ids(loaded_model, [{"role": "user", "content": QUESTIONS[1]}])
+    with torch.inference_mode():
+        reference = loaded_model.model(input_ids=torch.tensor([ids])).logits[0]
+    pool = _pool(loaded_model)
+    slot = pool.allocate()
+    split = len(ids) - 3  # a prefill chunk, then single tokens against the cached prefix
+    rows = [exact.forward(pool, [Feed(slot, 0, ids[:split])])[0]]
+    rows += [exact.forward(pool, [Feed(slot, p, [ids[p]])])[0] for p in range(split, len(ids))]
+    torch.testing.assert_close(torch.stack(rows), reference[split - 1 :], atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.skipif(not int4_available(torch.device("cpu")), reason="torch has no CPU int4 kernel here")
+def test_int4_recovers_the_q4_1_grid_and_answers_as_float32(loaded_model: LoadedModel, exact: LeanModel) -> None:
+    weight = loaded_model.model.model.layers[3].mlp.down_proj.weight.detach()  # type: ignore[union-attr, index]
+    x = torch.randn(2, weight.shape[1])
+    ref = x @ weight.T
+    int4 = Linear(weight, "int4")
+    assert int4.packed is not None
+    err = ((int4(x) - ref).norm() / ref.norm()).item()
+    # bfloat16 rounding of activations and scales only: a re-quantized weight would be ~10x off.
+    assert err < 0.01
+    random = torch.randn(64, 64)
+    packed, _ = pack_int4(random)
+    assert packed.dtype == torch.uint8
+
+    lean = LeanModel(loaded_model.model, "int4")
+    ids = chat_ids(loaded_model, [{"role": "user", "content": QUESTIONS[1]}])
+    pool, other = _pool(loaded_model), _pool(loaded_model)
+    assert _greedy(lean, pool, pool.allocate(), ids, 8) == _greedy(exact, other, other.allocate(), ids, 8)
+
+
+def test_batched_decode_over_the_pool_matches_each_alone(loaded_model: LoadedModel, exact: LeanModel) -> None:
+    prompts = [chat_ids(loaded_model, [{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    alone = []
+    for ids in prompts:
+        pool = _pool(loaded_model)
+        alone.append(_greedy(exact, pool, pool.allocate(), ids, 6))
+
+    pool = _pool(loaded_model, capacity=16)  # forces the pool to grow while sequences hold slots
+    slots = [pool.allocate() for _ in prompts]
+    assert len(pool.used) >= 3
+    pool.free(slots[0])  # a hole below the others: decode must still read every slot right
+    slots[0] = pool.allocate()
+    logits = exact.forward(pool, [Feed(s, 0, ids) for s, ids in zip(slots, prompts, strict=True)])
+    got: list[list[int]] = [[] for _ in prompts]
+    for _ in range(6):
+        for row, out in zip(logits, got, strict=True):
+            out.append(int(row.argmax()))
+        # Feed in reverse slot order: rows come back in the order of the feeds.
+        feeds = [Feed(slots[i], len(prompts[i]) + len(got[i]) - 1, [got[i][-1]]) for i in reversed(range(3))]
+        logits = exact.forward(pool, feeds).flip(0)
+    assert got == alone
+    assert pool.capacity >= max(len(p) for p in prompts) + 6
+
+
+def test_an_emptied_pool_past_its_limit_goes_back_to_its_first_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = KVPool(2, 1, 4, torch.float32, torch.device("cpu"), num_slots=1, capacity=8)
+    first, second = pool.allocate(), pool.allocate()
+    pool.reserve(100)
+    assert (len(pool.used), pool.capacity) == (2, 128)
+    monkeypatch.setattr(kvpool, "SHRINK_FROM_BYTES", 0)
+    pool.free(first)
+    assert pool.capacity == 128, "a slot still in use keeps the pool as it is"
+    pool.free(second)
+    assert (len(pool.used), pool.capacity, pool.num_used) == (1, 8, 0)
