@@ -18,14 +18,53 @@ def test_bench_name_help_is_that_benchmarks_own(capfd: pytest.CaptureFixture[str
     assert "`cache-latency`" in bench_row
 
 
-def test_bench_outside_a_checkout_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_without_its_tree_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import sys
 
     import gateway.cli
 
-    monkeypatch.setattr(gateway.cli, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(gateway.cli, "bench_tree", lambda: None)
     path_before = list(sys.path)
     assert main(["bench", "overhead"]) == 2
-    assert "source checkout" in capsys.readouterr().err
+    assert "holds bench/" in capsys.readouterr().err
     assert sys.path == path_before
+
+
+def test_bench_tree_is_the_checkout_or_the_installed_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkout's bench/ here; an installed copy (gateway/_bench_tree, as setup.py maps it) first."""
+    import gateway.shipped
+
+    root = Path(__file__).resolve().parents[2]
+    assert gateway.shipped.bench_tree() == root
+    assert gateway.shipped.migrations_dir() == root / "migrations"
+    package = tmp_path / "gateway"
+    for path in ("_bench_tree/bench/__init__.py", "_bench_tree/tests/fake_upstream.py", "_migrations/env.py"):
+        (package / path).parent.mkdir(parents=True, exist_ok=True)
+        (package / path).write_text("")
+    monkeypatch.setattr(gateway.shipped, "PACKAGE", package)
+    assert gateway.shipped.bench_tree() == package / "_bench_tree"
+    assert gateway.shipped.migrations_dir() == package / "_migrations"
+
+
+def test_bench_overhead_explains_every_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option of `kvgate bench overhead` has help text, and its help says where LiteLLM lives."""
+    import argparse
+
+    from bench import overhead
+
+    class Parsed(Exception):
+        def __init__(self, parser: argparse.ArgumentParser) -> None:
+            self.parser = parser
+
+    def capture(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        raise Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(Parsed) as parsed:
+        overhead.main([])
+    parser = parsed.value.parser
+    options = [action for action in parser._actions if action.option_strings]
+    assert len(options) > 1
+    for action in options:
+        assert action.help, f"{action.option_strings[0]} has no help text"
+    assert "LiteLLM is expected in its own environment" in parser.format_help()
