@@ -35,6 +35,8 @@ BENCHMARKS = {
     "cascade": "bench.cascade",
     "fuse": "bench.fuse",
 }
+# Benchmarks of the built-in engine and its KV cache: they import torch (the `engine` extra).
+ENGINE_BENCHMARKS = {"codec", "kv-tiers", "kv-trace", "ttft", "concurrency", "cascade", "fuse"}
 EVALS = {"semantic": "bench.semantic_eval"}
 T = TypeVar("T")
 
@@ -77,13 +79,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    if missing := engine_missing("kvgate engine"):
+        print(f"kvgate: {missing}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from gateway.api.engine_app import create_engine_app
 
-    if missing := engine_missing("kvgate engine"):
-        print(f"kvgate: {missing}", file=sys.stderr)
-        return 2
     settings = _settings(args)
     host = args.host or "127.0.0.1"
     port = args.port if args.port is not None else 8081
@@ -192,6 +194,9 @@ def run_benchmark(command: str, module: str, rest: list[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.name in ENGINE_BENCHMARKS and (missing := engine_missing(f"kvgate bench {args.name}")):
+        print(f"kvgate: {missing}", file=sys.stderr)
+        return 2
     return run_benchmark("bench", BENCHMARKS[args.name], rest)
 
 

@@ -72,10 +72,12 @@ def test_no_torch_and_no_engine_packages(installed: Installed) -> None:
     assert "site-packages" in where and not Path(where).resolve().is_relative_to(ROOT)
 
 
-def test_the_embedded_default_names_the_extra(installed: Installed) -> None:
-    started = installed.run("kvgate", "serve", "--database-url", "sqlite+aiosqlite:///default.db")
-    assert started.returncode == 2
-    assert started.stderr.count("\n") == 1 and "pip install 'kvgate[engine]'" in started.stderr, started.stderr
+def test_the_embedded_default_and_the_engine_name_the_extra(installed: Installed) -> None:
+    for command in (("serve", "--database-url", "sqlite+aiosqlite:///default.db"), ("engine",),
+                    ("bench", "ttft", "--help")):
+        started = installed.run("kvgate", *command)
+        assert started.returncode == 2, started.stderr
+        assert started.stderr.count("\n") == 1 and "pip install 'kvgate[engine]'" in started.stderr, started.stderr
 
 
 def test_bench_and_eval_help(installed: Installed) -> None:
