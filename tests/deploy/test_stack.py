@@ -1,5 +1,6 @@
-"""The compose stack, built and running: kvgate's real image, Debian-made PostgreSQL, Redis and
-Prometheus (deploy/compose.test.yml), driven through the gateway with the openai SDK.
+"""The compose stack, built and running: kvgate's real images (kvgate for the gateway and migrate,
+kvgate-engine for the engines), Debian-made PostgreSQL, Redis and Prometheus (deploy/compose.test.yml),
+driven through the gateway with the openai SDK.
 
 Run by `.ci/run` as its own step when Docker answers (KVGATE_DEPLOY_TEST=1; it builds images and
 starts containers for several minutes, so the ordinary pytest run skips it with the reason):
