@@ -3,16 +3,23 @@
 The same fake upstream (tests/fake_upstream.py) is reached directly, through a bare FastAPI + httpx
 passthrough (bench/bare_proxy.py: the least a Python proxy does), through kvgate (auth on, request
 log on, SQLite, exact and semantic cache on) and through the LiteLLM proxy when it is installed, at
-concurrency 1 and 32, streaming and not. Every request is unique (`kvgate miss`: exact lookup,
-embedding + semantic lookup, forward, store, log); the `kvgate hit` rows repeat one request so
-the exact cache answers. The x-kvgate-cache column counts what kvgate said it did.
+concurrency 1 and 32, streaming and not. Every request is unique (`kvgate miss`: a nonce string,
+which the language gate keeps from the semantic cache: exact lookup, forward, store, log); the
+`kvgate hit` rows repeat one request so the exact cache answers. The question rows send real
+questions (QQP, read from ../shared/data; each asked once across all rows, no temperature, as an
+application sends them) through kvgate with the semantic cache on (its default), on with no CPU
+budget for its embeddings (`KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE=0`, a second gateway) and
+off (`x-kvgate-semantic: off`), and through the bare proxy: what a semantic-eligible miss costs. The
+cache fills as it runs (every answer is stored). The x-kvgate-cache column counts what kvgate
+said it did.
 
 Each server runs in its own process with one worker; the load generator is a raw-asyncio client in
 this process. Rounds are interleaved across paths (the machine's load drifts) and the medians over
 rounds are printed. CPU per request is the server process tree's user+system CPU time over the
-measured requests; RSS is read at the end of the concurrency-32 runs. The embedder's share of RSS
-is measured in a separate process (its model loaded and run once over a process that imported
-kvgate). Numbers are relative: read the ratios.
+measured requests, read once the server is idle again (work deferred past the answers counts);
+RSS is read at the end of the concurrency-32 runs. The embedder's share of RSS is measured in a
+separate process (its model loaded and run once over a process that imported kvgate). Numbers are
+relative: read the ratios.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ import httpx
 from bench.loadgen import RunResult, run_load
 
 REPO = Path(__file__).resolve().parents[1]
+QUESTIONS = REPO.parent / "shared" / "data" / "qqp" / "dev.jsonl.gz"
+OFF, ON = "kvgate questions, semantic off", "kvgate questions, semantic on"
+UNBUDGETED = "kvgate questions, semantic on, no CPU budget"
 QUESTION = "What is the capital of France?"
 # Unique prompts from random words: different enough that no semantic neighbour can answer them.
 WORDS = [
@@ -68,6 +78,7 @@ class Target:
     headers: dict[str, str]
     pid: int
     unique: bool = True
+    questions: bool = False  # real questions (one each, never repeated) instead of nonce strings
 
 
 @dataclass(slots=True)
@@ -164,8 +175,30 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _bodies(stream: bool, unique: bool) -> Callable[[], bytes]:
+def real_questions(path: Path = QUESTIONS) -> Iterator[str]:
+    """Distinct real questions (both sides of the QQP pairs, shuffled with a fixed seed), each
+    handed out once across all paths and rounds: no request repeats another, as in production."""
+    import gzip
+
+    seen: set[str] = set()
+    texts: list[str] = []
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        for line in lines:
+            row = json.loads(line)
+            for text in (row["a"], row["b"]):
+                if text not in seen:
+                    seen.add(text)
+                    texts.append(text)
+    random.Random(7).shuffle(texts)
+    return iter(texts)
+
+
+def _bodies(stream: bool, unique: bool, questions: Iterator[str] | None = None) -> Callable[[], bytes]:
     base = {"model": "fake-model", "max_tokens": 16, "temperature": 0, "stream": stream}
+    if questions is not None:
+        # As an application sends them: no temperature (the semantic cache is consulted by default).
+        plain = {"model": "fake-model", "max_tokens": 16, "stream": stream}
+        return lambda: json.dumps({**plain, "messages": [{"role": "user", "content": next(questions)}]}).encode()
     if not unique:
         fixed = json.dumps({**base, "messages": [{"role": "user", "content": QUESTION}]}).encode()
         return lambda: fixed
@@ -243,6 +276,25 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
              Target("bare proxy", f"http://127.0.0.1:{bare_port}/v1", {}, bare_pid),
              Target("kvgate miss", f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid),
              Target("kvgate hit", f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid, unique=False)]
+    if QUESTIONS.is_file():
+        # The same gateway with no CPU budget for the semantic cache's embeddings (every plausible
+        # lookup embeds, however busy the gateway is), on its own database.
+        free_port, free_db = _free_port(), f"sqlite+aiosqlite:///{tmp / 'unbudgeted.db'}"
+        free_key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
+                                   "--database-url", free_db], cwd=tmp, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        free_pid = stack.enter_context(_process(
+            [sys.executable, "-m", "gateway", "serve", "--port", str(free_port), "--upstream", f"fake={fake}",
+             "--database-url", free_db], f"http://127.0.0.1:{free_port}/readyz", timeout_s=400,
+            env={"KVGATE_LOG_LEVEL": "warning", "KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE": "0"})).pid
+        paths += [Target(OFF, f"http://127.0.0.1:{gw_port}/v1", {**auth, "x-kvgate-semantic": "off"}, gw_pid,
+                         questions=True),
+                  Target(ON, f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid, questions=True),
+                  Target(UNBUDGETED, f"http://127.0.0.1:{free_port}/v1", {"authorization": f"Bearer {free_key}"},
+                         free_pid, questions=True),
+                  Target("bare proxy, questions", f"http://127.0.0.1:{bare_port}/v1", {}, bare_pid, questions=True)]
+    else:
+        notes.append(f"question rows skipped: no QQP questions at {QUESTIONS}")
     if args.no_litellm:
         notes.append("litellm rows skipped (--no-litellm)")
     elif (litellm := _find_litellm(args.litellm)) is None:
@@ -263,21 +315,40 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
     return paths
 
 
+def settled_cpu_seconds(pid: int, timeout_s: float = 60.0) -> float:
+    """CPU time of a process tree once it has gone idle: work a server deferred past its answers
+    (stores, log writes, embeddings) counts against the requests that caused it."""
+    deadline = time.monotonic() + timeout_s
+    last = cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = cpu_seconds(pid)
+        if now - last < 0.02:
+            return now
+        last = now
+    return last
+
+
 def _measure(paths: list[Target], args: argparse.Namespace) -> dict[tuple[str, int, bool], Cell]:
     cells: dict[tuple[str, int, bool], Cell] = {}
     plan = [(stream, c, n) for stream in (False, True) for c, n in ((1, args.requests_c1), (32, args.requests_c32))]
+    questions = real_questions() if any(p.questions for p in paths) else None
+
+    def bodies(path: Target, stream: bool) -> Callable[[], bytes]:
+        return _bodies(stream, path.unique, questions if path.questions else None)
+
     for stream, concurrency, count in plan:
         for path in paths:  # warm-up, not measured
-            asyncio.run(run_load(path.base + "/chat/completions", _bodies(stream, path.unique), path.headers,
+            asyncio.run(run_load(path.base + "/chat/completions", bodies(path, stream), path.headers,
                                  concurrency=concurrency, num_requests=min(50, count)))
         for _ in range(args.rounds):
             for path in paths:
                 cell = cells.setdefault((path.name, concurrency, stream), Cell())
-                cpu_before = cpu_seconds(path.pid)
+                cpu_before = settled_cpu_seconds(path.pid)
                 cell.results.append(asyncio.run(run_load(
-                    path.base + "/chat/completions", _bodies(stream, path.unique), path.headers,
+                    path.base + "/chat/completions", bodies(path, stream), path.headers,
                     concurrency=concurrency, num_requests=count)))
-                cell.cpu_s += cpu_seconds(path.pid) - cpu_before
+                cell.cpu_s += settled_cpu_seconds(path.pid) - cpu_before
                 if concurrency == 32:
                     cell.rss_bytes = max(cell.rss_bytes, rss_bytes(path.pid))
     return cells
@@ -335,6 +406,11 @@ def _add_ratios(rows: list[dict[str, object]]) -> None:
         row["rps_vs_bare"] = ratio(row, "bare proxy", "rps")
         row["rps_vs_litellm"] = ratio(row, "litellm", "rps")
         row["cpu_vs_bare"] = ratio(row, "bare proxy", "cpu_ms_per_request")
+        if row["path"] in (ON, UNBUDGETED):
+            off = by_key.get((OFF, row["concurrency"], row["stream"]))
+            row["rps_vs_semantic_off"] = ratio(row, OFF, "rps")
+            row["cpu_vs_semantic_off"] = ratio(row, OFF, "cpu_ms_per_request")
+            row["p50_minus_semantic_off_ms"] = round(float(row["p50_ms"]) - float(off["p50_ms"]), 3) if off else None  # type: ignore[arg-type]
 
 
 def _print_table(rows: list[dict[str, object]], notes: list[str]) -> None:
@@ -346,5 +422,11 @@ def _print_table(rows: list[dict[str, object]], notes: list[str]) -> None:
     print("|" + "---|" * len(header))
     for r in rows:
         print("| " + " | ".join("-" if r[k] is None else str(r[k]) for k in keys) + " |")
+    for r in rows:
+        if r["path"] in (ON, UNBUDGETED):
+            print(f"{r['path']} vs semantic off (unique real questions), concurrency {r['concurrency']}, "
+                  f"stream {r['stream']}: "
+                  f"p50 {r['p50_minus_semantic_off_ms']:+} ms, rps x{r['rps_vs_semantic_off']}, "
+                  f"cpu x{r['cpu_vs_semantic_off']}")
     for note in notes:
         print(f"note: {note}")

@@ -4,8 +4,11 @@ FILE is JSON lines `{"a", "b", "label"}` (gzipped or not); without `--pairs`, a 
 English and Chinese sample shipped in the package (`gateway/responsecache/data/sample_pairs.jsonl`)
 is used, so the command runs from any checkout. The full sets are read by path, e.g.
 `--pairs ../shared/data/lcqmc/dev.jsonl.gz`. Every `a` goes into one fresh cache partition as a
-stored question; every `b` is asked. It runs the gateway's own code: the embedder, the FAISS index
-and `best_match` with the verifier at the configured target false-hit rate.
+stored question; every `b` is asked. It runs the gateway's own code: the cheap stage on sketches (`plausible`),
+the embedder, the FAISS index and `best_match` with the verifier at the configured target
+false-hit rate; a stored question enters the judge's index once a lookup's cheap stage named it,
+as in the gateway. Each language's row also says what the cheap stage cost against the judge
+alone (every stored question embedded).
 
 The strict metric comes first: a hit is right only when it returns its own pair's `a` (the same
 text) and the label is 1.
@@ -56,11 +59,12 @@ from tqdm import tqdm
 
 import gateway.responsecache
 from gateway.responsecache.embedder import DIMENSIONS, encode, load_model
-from gateway.responsecache.index import SemanticIndex
+from gateway.responsecache.index import VectorIndex, embeddings_index, sketches_index
 from gateway.responsecache.keys import PartitionKey
 from gateway.responsecache.language import language_of
-from gateway.responsecache.semantic import best_match
+from gateway.responsecache.semantic import Match, best_match, plausible
 from gateway.responsecache.settings import ResponseCacheSettings
+from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.store import EntryMeta
 from gateway.responsecache.verifier import Verifier, tokens
 
@@ -152,14 +156,43 @@ def without_exact_twins(pairs: list[Pair]) -> list[Pair]:
     return [p for p in pairs if p.b not in stored]
 
 
-def build_index(pairs: list[Pair], vectors: dict[str, np.ndarray], fillers: Sequence[str] = ()) -> SemanticIndex:
-    """Every `a` stored, plus `fillers`: stored questions that no query asks (distractors)."""
-    index = SemanticIndex()
+def build_index(pairs: list[Pair], vectors: dict[str, np.ndarray], fillers: Sequence[str] = ()) -> VectorIndex:
+    """Every `a` stored, plus `fillers`: stored questions that no query asks (distractors), all
+    embedded (the cosine baseline's index, and the judge's without the cheap stage)."""
+    index = embeddings_index()
+    index.add(stored_metas(pairs, vectors, fillers))
+    return index
+
+
+def stored_metas(pairs: list[Pair], vectors: dict[str, np.ndarray], fillers: Sequence[str] = (),
+                 sketcher: Sketcher | None = None) -> list[EntryMeta]:
     own = {p.a for p in pairs}
     stored = [p.a for p in pairs] + [t for t in dict.fromkeys(fillers) if t not in own]
-    index.add([EntryMeta(i + 1, "eval", "eval", "eval", "", PARTITION, text, vectors[text], float("inf"))  # type: ignore[arg-type]
-               for i, text in enumerate(stored)])
-    return index
+    return [EntryMeta(i + 1, "eval", "eval", "eval", "", PARTITION, text, vectors[text], float("inf"),  # type: ignore[arg-type]
+                      sketcher.sketch(text) if sketcher is not None else None)
+            for i, text in enumerate(stored)]
+
+
+class StagedCache:
+    """The stored questions as a gateway holds them: every one sketched; an embedding enters the
+    judge's index only once some lookup's cheap stage named its question (`ResponseCache`)."""
+
+    def __init__(self, metas: list[EntryMeta], sketcher: Sketcher) -> None:
+        self.sketcher = sketcher
+        self.sketches = sketches_index(sketcher.dimensions)
+        self.sketches.add(metas)
+        self.embedded = embeddings_index()
+        self.num_ruled_out = 0
+        self.num_judged = 0
+
+    def match(self, text: str, vector: np.ndarray, verifier: Verifier) -> Match | None:
+        named = plausible(self.sketches, PARTITION, self.sketcher.sketch(text), self.sketcher.floor(text), 0.0)
+        if not named:
+            self.num_ruled_out += 1
+            return None
+        self.num_judged += 1
+        self.embedded.add(named)
+        return best_match(self.embedded, PARTITION, vector, text, verifier, 0.0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -180,17 +213,21 @@ def judged(pair: Pair, score: float | None, returned: str | None, dups: Duplicat
     return Outcome(score, strict, strict or (dups is not None and dups.right(pair, returned)), pair.label)
 
 
-def score(pairs: list[Pair], index: SemanticIndex, vectors: dict[str, np.ndarray],
+def score(pairs: list[Pair], index: VectorIndex | StagedCache, vectors: dict[str, np.ndarray],
           verifier: Verifier, dups: Duplicates | None = None) -> list[Outcome]:
-    """Per query: what the gateway's `best_match` serves, judged."""
+    """Per query: what the gateway serves (`StagedCache`: cheap stage, then the judge), or what the
+    judge alone would serve with every stored question embedded (a `VectorIndex`), judged."""
     results = []
     for pair in pairs:
-        match = best_match(index, PARTITION, vectors[pair.b], pair.b, verifier, 0.0)
+        if isinstance(index, StagedCache):
+            match = index.match(pair.b, vectors[pair.b], verifier)
+        else:
+            match = best_match(index, PARTITION, vectors[pair.b], pair.b, verifier, 0.0)
         results.append(judged(pair, match.probability if match else None, match.meta.query if match else None, dups))
     return results
 
 
-def top1_cosine(pairs: list[Pair], index: SemanticIndex, vectors: dict[str, np.ndarray],
+def top1_cosine(pairs: list[Pair], index: VectorIndex, vectors: dict[str, np.ndarray],
                 dups: Duplicates | None = None) -> list[Outcome]:
     out = []
     for pair in pairs:
@@ -239,7 +276,7 @@ def judged_miss(outcome: Outcome) -> Outcome:
     return Outcome(None, False, False, outcome.label)
 
 
-def timed_lookups(model: Any, pairs: list[Pair], index: SemanticIndex, verifier: Verifier | None) -> list[float]:
+def timed_lookups(model: Any, pairs: list[Pair], index: VectorIndex, verifier: Verifier | None) -> list[float]:
     """Milliseconds per lookup, embedding included: what a request pays."""
     times = []
     for pair in pairs:
@@ -301,12 +338,24 @@ def strict_row(outcomes: list[Outcome], num_positive: int) -> dict[str, Any]:
 
 
 def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifier,
-             dups: Duplicates | None, fillers: Sequence[str] = ()) -> dict[str, Any]:
+             dups: Duplicates | None, fillers: Sequence[str] = (), sketcher: Sketcher | None = None) -> dict[str, Any]:
     """Store every `a` (and `fillers`), ask every `b`: strict rows overall and per language, each
-    with the cosine baseline at its recall, and the duplicate-aware reading."""
+    with the cosine baseline at its recall, and the duplicate-aware reading. With `sketcher`, the
+    rows are what the gateway serves (cheap stage first) and each says what the cheap stage cost:
+    the share of lookups it ended, and the hits the judge alone (every question embedded) served
+    that the staged lookup did not."""
     index = build_index(pairs, vectors, fillers)
     queries = without_exact_twins(pairs)
-    outcomes = score(queries, index, vectors, verifier, dups)
+    alone = score(queries, index, vectors, verifier, dups)
+    staged = StagedCache(stored_metas(pairs, vectors, fillers, sketcher), sketcher) if sketcher else None
+    ruled_out: list[bool] = []
+    outcomes = alone
+    if staged is not None:
+        outcomes = []
+        for pair in queries:
+            before = staged.num_ruled_out
+            outcomes.extend(score([pair], staged, vectors, verifier, dups))
+            ruled_out.append(staged.num_ruled_out > before)
     cosines = top1_cosine(queries, index, vectors, dups)
     languages = [str(language_of(p.b) or "other") for p in queries]
     result: dict[str, Any] = {"queries": len(queries), "exact_twins": len(pairs) - len(queries), "languages": {}}
@@ -322,6 +371,15 @@ def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifi
         dup = summary(mine, num_positive, dup=True)
         dup["baseline"] = baseline_at_recall(base, dup["recall"], num_positive, dup=True)
         strict["duplicate_aware"] = dup
+        if staged is not None:
+            lost = [i for i in rows if alone[i].score is not None and outcomes[i].score is None]
+            strict["cheap_stage"] = {
+                "ruled_out": round(sum(ruled_out[i] for i in rows) / len(rows), 4) if rows else 0.0,
+                "judge_hits": sum(alone[i].score is not None for i in rows),
+                "hits_lost": len(lost), "right_hits_lost": sum(alone[i].right for i in lost),
+                "judge_alone": {k: round(v, 4) for k, v in summary([alone[i] for i in rows], num_positive).items()},
+                "hits_changed": sum(alone[i].score is not None and outcomes[i].score is not None
+                                    and alone[i].right != outcomes[i].right for i in rows)}
         for row in (strict, strict["baseline"], dup, dup["baseline"]):
             for key in ("precision", "recall", "false_hit_rate"):
                 row[key] = round(row[key], 4)
@@ -350,6 +408,14 @@ def print_report(result: dict[str, Any], title: str) -> None:
         print(f"  {'cosine >= ' + str(base['threshold']) + ', ' + name + ' (same recall)':44} "
               f"{base['precision']:6.3f} {'':15} {base['recall']:7.3f} {base['false_hit_rate']:10.4f} {'':17} "
               f"{int(base['hits']):5d}")
+    for name, row in rows:
+        if "cheap_stage" in row and name != "other":
+            stage = row["cheap_stage"]
+            print(f"  cheap stage, {name}: ended {stage['ruled_out']:.1%} of lookups with no embedding; the judge "
+                  "alone "
+                  f"(every stored question embedded) served {stage['judge_hits']} hits, {stage['hits_lost']} of them "
+                  f"not served here ({stage['right_hits_lost']} right); judge alone precision "
+                  f"{stage['judge_alone']['precision']:.3f}, recall {stage['judge_alone']['recall']:.3f}")
     dup = result["duplicate_aware"]
     print(f"secondary, duplicate-aware (also right on a question the file's label-1 pairs link to b; "
           f"meaningful on QQP-like files only): precision {dup['precision']:.3f}, recall {dup['recall']:.3f}, "
@@ -384,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     verifier = Verifier.load(args.target_false_hit_rate)
     vectors = load_vectors(model, [p.a for p in pairs] + [p.b for p in pairs], args.embeddings_cache,
                            progress=not args.json)
-    result = evaluate(pairs, vectors, verifier, dups)
+    result = evaluate(pairs, vectors, verifier, dups, sketcher=Sketcher.load())
     index = build_index(pairs, vectors)
     sample = subsample(without_exact_twins(pairs), TIMED_QUERIES, seed=1)
     times = timed_lookups(model, sample, index, verifier)

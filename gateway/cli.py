@@ -29,6 +29,7 @@ BENCHMARKS = {
     "prefix-stability": "bench.prefix_stability",
     "routing": "bench.routing",
     "cache-latency": "bench.cache_latency",
+    "cache-scale": "bench.cache_scale",
     "singleflight": "bench.singleflight",
     "agent-session": "bench.agent_session",
     "reliability": "bench.reliability",

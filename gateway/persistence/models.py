@@ -70,7 +70,8 @@ class RequestLog(Base):
 
 class ResponseCacheEntry(Base):
     """One cached answer. `exact_key` and `partition` are SHA-256 digests (responsecache/keys.py);
-    `partition`, `query` and `embedding` are null for answers only the exact cache may serve."""
+    `partition` and `query` are null for answers only the exact cache may serve; `embedding` is null
+    until a lookup first needs it (the semantic cache embeds stored questions on demand)."""
 
     __tablename__ = "response_cache"
     __table_args__ = (

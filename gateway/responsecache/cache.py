@@ -37,7 +37,7 @@ from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.embedder import Embedder
 from gateway.responsecache.exact import AnswerLRU, Directory
 from gateway.responsecache.feed import ChangeFeed
-from gateway.responsecache.index import Candidate, SemanticIndex
+from gateway.responsecache.index import Candidate, embeddings_index, sketches_index
 from gateway.responsecache.keys import (
     ExactKey,
     PartitionKey,
@@ -49,8 +49,9 @@ from gateway.responsecache.keys import (
 )
 from gateway.responsecache.language import language_of
 from gateway.responsecache.replay import hit_usage, is_complete, replay_json, replay_sse
-from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts
+from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts, plausible
 from gateway.responsecache.settings import ResponseCacheSettings
+from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.status import HIT_KINDS, CacheStatus
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter
 from gateway.responsecache.validate import is_storable
@@ -63,6 +64,10 @@ KINDS = HIT_KINDS
 # Why a request that could have had a semantic lookup got the exact cache only (response header
 # `x-kvgate-semantic-skipped`); requests that opt out themselves (`x-kvgate-semantic: off`) get none.
 SKIP_SAMPLING, SKIP_TRIVIAL, SKIP_TOO_LONG, SKIP_LANGUAGE = "sampling", "trivial", "too-long", "language-not-validated"
+SKIP_BUSY = "busy"  # plausible, but the embeddings' CPU budget is spent (`embedder.CpuBudget`)
+# How a semantic-eligible miss ended (`x-kvgate-semantic-stage`): ruled out by the cheap stage (no
+# embedding computed), or embedded and judged.
+STAGE_RULED_OUT, STAGE_JUDGED = "ruled-out", "judged"
 PROGRESS_MIN_ENTRIES = 10_000
 SWEEP_INTERVAL_S = 30.0
 STORE_BATCH = 128
@@ -84,6 +89,8 @@ class Lookup:
     partition: PartitionKey | None = None
     query: str | None = None
     vector: np.ndarray | None = None
+    sketch: np.ndarray | None = None
+    stage: str | None = None
     answer: dict[str, Any] | None = None
     entry_id: int | None = None
     similarity: float | None = None
@@ -104,19 +111,27 @@ class Lookup:
             headers["x-kvgate-similarity"] = f"{self.similarity:.4f}"
         if self.semantic_skipped is not None:
             headers["x-kvgate-semantic-skipped"] = self.semantic_skipped
+        if self.stage is not None and self.status == MISS:
+            headers["x-kvgate-semantic-stage"] = self.stage
         return headers
 
 
 class ResponseCache:
     def __init__(self, settings: ResponseCacheSettings, store: EntryStore, embedder: Embedder | None,
-                 verifier: Verifier | None) -> None:
+                 verifier: Verifier | None, sketcher: Sketcher | None = None) -> None:
         self.settings = settings
         self._store = store
         self._embedder = embedder
         self._verifier = verifier
+        self._sketcher = sketcher if embedder is not None and verifier is not None else None
         self._directory = Directory()
         self._answers = AnswerLRU(settings.memory_entries)
-        self._index = SemanticIndex()
+        self._index = embeddings_index()  # entries some lookup has needed embedded
+        self._sketches = sketches_index(sketcher.dimensions if sketcher else 1)  # every semantic entry
+        self._new_embeddings: dict[int, np.ndarray] = {}  # computed on demand, not yet in SQL
+        self.num_ruled_out = 0  # semantic lookups the cheap stage answered (nothing embedded)
+        self.num_judged = 0  # semantic lookups that embedded and asked the judge
+        self.num_busy = 0  # plausible, but forwarded: the embeddings' CPU budget was spent
         self._hits: Counter[int] = Counter()
         self._store_queue: asyncio.Queue[_Queued] = asyncio.Queue(settings.max_store_queue)
         self._writer: asyncio.Task[None] | None = None
@@ -135,7 +150,7 @@ class ResponseCache:
 
     @property
     def semantic_enabled(self) -> bool:
-        return self._embedder is not None and self._verifier is not None
+        return self._embedder is not None and self._verifier is not None and self._sketcher is not None
 
     async def start(self) -> None:
         """Rebuild memory from SQL, then follow the change feed."""
@@ -148,7 +163,8 @@ class ResponseCache:
                 seen.extend(m.id for m in batch)
                 progress.update(len(batch))
         seen.append(await self._store.max_id())
-        log.info("response cache: %d entries (%d semantic) loaded", len(self._directory), len(self._index))
+        log.info("response cache: %d entries (%d semantic, %d embedded) loaded", len(self._directory),
+                 len(self._sketches), len(self._index))
         await self._feed.start(seen)
 
     async def stop(self) -> None:
@@ -158,6 +174,9 @@ class ResponseCache:
             await asyncio.gather(self._writer, return_exceptions=True)
         await self._feed.stop()
         await self._flush_hits()
+        if self._new_embeddings:
+            await self._store.set_embeddings(self._new_embeddings)
+            self._new_embeddings = {}
         if self._embedder is not None:
             self._embedder.close()
 
@@ -167,7 +186,9 @@ class ResponseCache:
         await self._feed.catch_up()
 
     def stats(self) -> dict[str, Any]:
-        return {"entries": len(self._directory), "semantic_entries": len(self._index),
+        return {"entries": len(self._directory), "semantic_entries": len(self._sketches),
+                "embedded_entries": len(self._index), "semantic_ruled_out": self.num_ruled_out,
+                "semantic_judged": self.num_judged, "semantic_busy": self.num_busy,
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
                 "stored": self.num_stored, "store_queue": self._store_queue.qsize(),
                 "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
@@ -179,7 +200,11 @@ class ResponseCache:
         live = [m for m in metas if m.expires_at > now]
         for meta in live:
             self._directory.add(meta)
-        if self.semantic_enabled:
+        if self._sketcher is not None:
+            for meta in live:
+                if meta.partition is not None and meta.query is not None and meta.sketch is None:
+                    meta.sketch = self._sketcher.sketch(meta.query)
+            self._sketches.add(live)
             self._index.add(live)
 
     def _forget(self, scope: PurgeFilter) -> None:
@@ -195,10 +220,15 @@ class ResponseCache:
         for entry_id in ids:
             self._directory.remove(entry_id)
             self._answers.discard(entry_id)
+            self._new_embeddings.pop(entry_id, None)
         self._index.remove(ids)
+        self._sketches.remove(ids)
 
     async def _tick(self) -> None:
         await self._flush_hits()
+        if self._new_embeddings:
+            vectors, self._new_embeddings = self._new_embeddings, {}
+            await self._store.set_embeddings(vectors)
         if time.monotonic() - self._last_sweep > SWEEP_INTERVAL_S:
             self._last_sweep = time.monotonic()
             self._remove(self._directory.expired(time.time()))
@@ -262,7 +292,19 @@ class ResponseCache:
             return
         if lookup.partition is None or lookup.query is None or self._embedder is None or self._verifier is None:
             return
-        lookup.vector = await self._embedder.embed(lookup.query)
+        plausible = self._plausible(lookup, now)
+        if not plausible:
+            lookup.stage = STAGE_RULED_OUT
+            self.num_ruled_out += 1
+            return
+        if not self._embedder.budget.available():
+            lookup.semantic_skipped = SKIP_BUSY
+            self.num_busy += 1
+            return
+        lookup.stage = STAGE_JUDGED
+        self.num_judged += 1
+        await self._embed_with(lookup, plausible)
+        assert lookup.vector is not None
         match = best_match(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
         if match is not None and match.meta.query is not None and differing_parts(lookup.query, match.meta.query):
             match = None  # a long shared context: judged below by what differs, not by the whole turn
@@ -271,6 +313,27 @@ class ResponseCache:
         if match is not None and await self._load(lookup, match.meta.id):
             lookup.status = HIT_SEMANTIC
             lookup.similarity = match.similarity
+
+    def _plausible(self, lookup: Lookup, now: float) -> list[EntryMeta]:
+        """The cheap stage (`sketch.py`); empty when no stored question could pass the judge, and
+        then nothing is embedded."""
+        assert self._sketcher is not None and lookup.partition is not None and lookup.query is not None
+        lookup.sketch = self._sketcher.sketch(lookup.query)
+        return plausible(self._sketches, lookup.partition, lookup.sketch, self._sketcher.floor(lookup.query), now)
+
+    async def _embed_with(self, lookup: Lookup, plausible: list[EntryMeta]) -> None:
+        """Embed the question, and in the same batch every plausible stored question not embedded
+        yet: an entry's embedding is computed the first time a lookup needs it, never at store."""
+        assert self._embedder is not None and lookup.query is not None
+        missing = [m for m in plausible if m.embedding is None]
+        vectors = await asyncio.gather(self._embedder.embed(lookup.query),
+                                       *(self._embedder.embed(m.query or "") for m in missing))
+        lookup.vector = vectors[0]
+        for meta, vector in zip(missing, vectors[1:], strict=True):
+            if meta.id in self._directory.by_id:  # not removed while it was embedded
+                meta.embedding = vector
+                self._index.add([meta])
+                self._new_embeddings[meta.id] = vector
 
     async def _match_by_differing_parts(self, partition: PartitionKey, vector: np.ndarray, query: str,
                                         now: float) -> Match | None:
@@ -380,18 +443,16 @@ class ResponseCache:
                         written.set_result(None)
 
     async def _write_batch(self, batch: list[_Queued]) -> None:
-        need = [lk for lk, _, _, _ in batch if lk.partition is not None and lk.vector is None]
-        if need and self._embedder is not None:
-            vectors = await asyncio.gather(*(self._embedder.embed(lk.query or "") for lk in need))
-            for lk, vector in zip(need, vectors, strict=True):
-                lk.vector = vector
         rows: list[tuple[EntryMeta, bytes, dict[str, Any]]] = []
         for lookup, completion, raw, _ in batch:
             ttl_s = self._ttl_s(lookup)
-            semantic = lookup.partition is not None and lookup.vector is not None
+            # A semantic entry keeps its question; its embedding is the lookup's when the lookup
+            # computed one, else it is computed when a later lookup first needs it.
+            semantic = lookup.partition is not None and lookup.query is not None
             meta = EntryMeta(0, lookup.tenant, lookup.controls.namespace, lookup.model, lookup.key,
                              lookup.partition if semantic else None, lookup.query if semantic else None,
-                             lookup.vector if semantic else None, time.time() + ttl_s)
+                             lookup.vector if semantic else None, time.time() + ttl_s,
+                             lookup.sketch if semantic else None)
             rows.append((meta, raw, completion))
         if not rows:
             return
@@ -451,12 +512,20 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
     may run other apps on other loops."""
     if not settings.enabled:
         return None
-    embedder = verifier = None
+    embedder = verifier = sketcher = None
     if settings.semantic:
-        from gateway.responsecache.embedder import load_model
+        from gateway.responsecache.backends import EmbeddingBackendError, open_backend
 
-        embedder = Embedder(await asyncio.to_thread(load_model, settings.embed_threads))
+        try:
+            model = await asyncio.to_thread(open_backend, settings.embedding_backend, model=settings.embedding_model,
+                                            url=settings.embedding_url, api_key=settings.embedding_api_key,
+                                            threads=settings.embed_threads)
+        except EmbeddingBackendError as exc:
+            log.error("response cache: %s", exc)
+            raise
+        embedder = Embedder(model, settings.semantic_cpu_share)
         verifier = Verifier.load(settings.target_false_hit_rate)
-    cache = ResponseCache(settings, EntryStore(sessions), embedder, verifier)
+        sketcher = await asyncio.to_thread(Sketcher.load)
+    cache = ResponseCache(settings, EntryStore(sessions), embedder, verifier, sketcher)
     await cache.start()
     return cache

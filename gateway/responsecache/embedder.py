@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -73,13 +74,46 @@ def token_count(model: Any, text: str) -> int:
     return int(model.token_count(text, True))
 
 
+def _timed_encode(model: Any, texts: list[str]) -> tuple[np.ndarray, float]:
+    """`encode`, and the CPU seconds it took on this thread."""
+    started = time.thread_time()
+    vectors = encode(model, texts)
+    return vectors, time.thread_time() - started
+
+
+class CpuBudget:
+    """A token bucket of CPU seconds: `share` of one core, accumulated up to one second's worth. The
+    semantic cache's embeddings draw on it; a lookup that finds it empty is forwarded without one
+    (counted, and said in `x-kvgate-semantic-skipped: busy`), so that a flood of misses cannot make
+    the gateway spend more of the machine on guessing than on forwarding. `share` 0 = no limit."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self._burst_s = share
+        self._tokens = share
+        self._stamp = time.monotonic()
+
+    def available(self) -> bool:
+        if self.share <= 0:
+            return True
+        now = time.monotonic()
+        self._tokens = min(self._burst_s, self._tokens + (now - self._stamp) * self.share)
+        self._stamp = now
+        return self._tokens > 0
+
+    def spend(self, seconds: float) -> None:
+        self.available()
+        self._tokens -= seconds
+
+
 class Embedder:
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, cpu_share: float = 0.0) -> None:
         self._model = model
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-embed")
         self._pending: list[tuple[str, asyncio.Future[np.ndarray]]] = []
         self._running = False
         self._drainer: asyncio.Task[None] | None = None
+        self.budget = CpuBudget(cpu_share)
 
     def embed_sync(self, texts: list[str]) -> np.ndarray:
         return encode(self._model, texts)
@@ -99,7 +133,9 @@ class Embedder:
             while self._pending:
                 batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
                 try:
-                    vectors = await loop.run_in_executor(self._executor, encode, self._model, [t for t, _ in batch])
+                    vectors, spent = await loop.run_in_executor(self._executor, _timed_encode, self._model,
+                                                                [t for t, _ in batch])
+                    self.budget.spend(spent)
                 except Exception as exc:
                     for _, future in batch:
                         if not future.done():

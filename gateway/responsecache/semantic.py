@@ -1,9 +1,11 @@
 """The semantic cache's decision: which stored question, if any, answers this one.
 
-`best_match` is the whole decision on the embeddings, shared by the gateway and `kvgate eval
-semantic`, so the evaluation measures exactly what is served: nearest neighbours within the
-partition, each checked by the verifier in its retrieval context (rank, neighbours' cosines), the
-most probable accepted one wins.
+`plausible` (the cheap stage, on sketches) and `best_match` (the judge, on embeddings) are the
+whole decision, shared by the gateway and `kvgate eval semantic`, so the evaluation measures
+exactly what is served: stored questions whose sketch reaches the language's floor are the only
+ones that can be embedded and judged (none: the lookup ends there, nothing embedded); then nearest
+neighbours within the partition, each checked by the verifier in its retrieval context (rank,
+neighbours' cosines), the most probable accepted one wins.
 
 Long turns that share most of their text (a document pasted before a question, then another
 question after the same document) embed almost identically whatever the question: pooling over
@@ -20,12 +22,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.responsecache.index import SemanticIndex
+from gateway.responsecache.index import VectorIndex
 from gateway.responsecache.keys import PartitionKey
 from gateway.responsecache.store import EntryMeta
 from gateway.responsecache.verifier import Verifier
 
 NUM_CANDIDATES = 4
+# Sketch neighbours the cheap stage hands on to be embedded (when not yet) and judged.
+PLAUSIBLE_CANDIDATES = 4
 # Shared text (common prefix + suffix) from which a pair is judged by its differing sentences: about
 # two sentences. Below it the whole turn is short and mostly question, which is what the verifier
 # was trained on.
@@ -40,7 +44,14 @@ class Match:
     probability: float
 
 
-def best_match(index: SemanticIndex, partition: PartitionKey, vector: np.ndarray, text: str,
+def plausible(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray, floor: float,
+              now: float, k: int = PLAUSIBLE_CANDIDATES) -> list[EntryMeta]:
+    """The cheap stage: stored questions of the partition whose sketch reaches `floor`."""
+    return [c.meta for c in sketches.search(partition, sketch, k)
+            if c.similarity >= floor and c.meta.expires_at > now and c.meta.query is not None]
+
+
+def best_match(index: VectorIndex, partition: PartitionKey, vector: np.ndarray, text: str,
                verifier: Verifier, now: float) -> Match | None:
     best: Match | None = None
     # One neighbour past the candidates: the last candidate's margin to the next is a feature.

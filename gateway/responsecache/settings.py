@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, field_validator
 
 
@@ -17,6 +19,22 @@ class ResponseCacheSettings(BaseModel):
     target_false_hit_rate: float = Field(
         default=0.01, gt=0, lt=1,
         description="Semantic operating point: wrong hits per semantic lookup (strict), calibrated per language.",
+    )
+    embedding_backend: Literal["builtin", "sentence-transformers", "openai"] = Field(
+        default="builtin",
+        description="Where semantic-cache embeddings come from: builtin (multilingual-e5-small, in-process), "
+                    "sentence-transformers (a local model directory) or openai (a /v1/embeddings server); "
+                    "checked at start against the judge's calibration.",
+    )
+    embedding_model: str | None = Field(
+        default=None, description="sentence-transformers: the model's local directory; openai: the model id.",
+    )
+    embedding_url: str | None = Field(default=None, description="openai: the server's /v1 base URL.")
+    embedding_api_key: str | None = Field(default=None, description="openai: the server's API key, if any.")
+    semantic_cpu_share: float = Field(
+        default=0.25, ge=0,
+        description="Share of one core the semantic cache's embeddings may use (0 = no limit); past it, "
+                    "lookups are forwarded without one (x-kvgate-semantic-skipped: busy).",
     )
     embed_threads: int = Field(
         default=1, ge=0, description="Threads of the embedding engine (0 = one per core).",
@@ -43,7 +61,7 @@ class ResponseCacheSettings(BaseModel):
         default=50_000, gt=0, description="Answers waiting for the store writer; beyond it they are dropped (counted).",
     )
 
-    @field_validator("redis_url", mode="before")
+    @field_validator("redis_url", "embedding_model", "embedding_url", "embedding_api_key", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value

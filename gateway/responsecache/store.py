@@ -1,7 +1,7 @@
 """SQL side of the response cache: the source of truth every replica reads and writes.
 
-Entries are only ever inserted or deleted, never updated (except the hit counter), so a replica
-can follow the table by id. Purges are rows of their own for the same reason.
+Entries are only ever inserted or deleted, never updated (except the hit counter and an embedding
+computed after the insert), so a replica can follow the table by id. Purges are rows of their own for the same reason.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class EntryMeta:
     query: str | None
     embedding: np.ndarray | None
     expires_at: float
+    # The cheap stage's vector (`sketch.py`), computed in memory from `query`; never stored.
+    sketch: np.ndarray | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,6 +140,14 @@ class EntryStore:
             for entry_id, count in hits.items():
                 await session.execute(update(ResponseCacheEntry).where(ResponseCacheEntry.id == entry_id)
                                       .values(hit_count=ResponseCacheEntry.hit_count + count))
+
+    async def set_embeddings(self, vectors: dict[int, np.ndarray]) -> None:
+        """Keep embeddings computed after the insert (an entry is embedded when a lookup first needs
+        it), so a restart or another replica does not compute them again."""
+        async with self._sessions() as session, session.begin():
+            for entry_id, vector in vectors.items():
+                await session.execute(update(ResponseCacheEntry).where(ResponseCacheEntry.id == entry_id)
+                                      .values(embedding=vector.astype(np.float32).tobytes()))
 
     async def delete_expired(self) -> int:
         async with self._sessions() as session, session.begin():

@@ -1,8 +1,9 @@
 """The hand-written near-miss sets, English and Chinese (negations, antonyms, swapped entities or
 direction, other numbers, dates, units, the same question about another platform, place or
-subject), replayed through the same code as `kvgate eval semantic`: every `a` stored, every `b`
-asked. Not one may be served. Their true paraphrases, replayed the same way, are served in part:
-a verifier that refused everything would pass the first test alone."""
+subject), replayed through the same code as `kvgate eval semantic` and the gateway (the cheap
+stage, then the judge): every `a` stored, every `b` asked. Not one may be served. Their true
+paraphrases, replayed the same way, are served in part: a verifier that refused everything would
+pass the first test alone."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from bench.semantic_eval import build_index, embed_texts, read_pairs, score, without_exact_twins
+from bench.semantic_eval import StagedCache, embed_texts, read_pairs, score, stored_metas, without_exact_twins
 from gateway.responsecache.settings import ResponseCacheSettings
+from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.verifier import Verifier
 
 DATA = Path(__file__).with_name("data")
@@ -22,7 +24,8 @@ def replay(pairs: list[Any], embedding_model: Any) -> list[tuple[str, float | No
     vectors = embed_texts(embedding_model, [p.a for p in pairs] + [p.b for p in pairs], progress=False)
     verifier = Verifier.load(ResponseCacheSettings().target_false_hit_rate)
     queries = without_exact_twins(pairs)
-    outcomes = score(queries, build_index(pairs, vectors), vectors, verifier)
+    sketcher = Sketcher.load()
+    outcomes = score(queries, StagedCache(stored_metas(pairs, vectors, (), sketcher), sketcher), vectors, verifier)
     return [(p.b, o.score, o.right) for p, o in zip(queries, outcomes, strict=True)]
 
 

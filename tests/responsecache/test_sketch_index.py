@@ -1,0 +1,51 @@
+"""The cheap stage's sketch and the vector index's switch to IVF, on their own."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gateway.responsecache.index import VectorIndex
+from gateway.responsecache.keys import ExactKey, PartitionKey
+from gateway.responsecache.sketch import Sketcher, stem, variants
+from gateway.responsecache.store import EntryMeta
+
+
+def test_sketch_puts_paraphrases_above_the_floor_and_other_questions_below() -> None:
+    sketcher = Sketcher.load()
+    pairs = [("How do I reset my wifi router password?", "How can I reset the password of my wifi router?"),
+             ("如何重置我的路由器密码？", "路由器密码怎么重置？")]
+    for question, paraphrase in pairs:
+        assert float(sketcher.sketch(question) @ sketcher.sketch(paraphrase)) >= sketcher.floor(paraphrase)
+    assert float(sketcher.sketch("How many moons does Jupiter have?")
+                 @ sketcher.sketch("What is the best way to learn the violin?")) < sketcher.floor("What is it?")
+    assert sketcher.floor("Bonjour, comment allez-vous aujourd'hui ?") > 1.0, "unvalidated languages are never judged"
+
+
+def test_words_outside_the_table_match_their_own_inflections() -> None:
+    sketcher = Sketcher.load()
+    assert stem("iphones") == stem("iphone") and stem("masturbating") == stem("masturbate")
+    assert "gadget" in variants("gadgets") and "study" in variants("studies")
+    a, b = sketcher.sketch("zorblatt xquintil"), sketcher.sketch("zorblatts xquintil")
+    assert float(a @ b) > 0.99
+    assert abs(float(np.linalg.norm(sketcher.sketch("?!")))) == 0.0
+
+
+def _meta(i: int, vector: np.ndarray, partition: str = "p") -> EntryMeta:
+    return EntryMeta(i, "t", "ns", "m", ExactKey(str(i)), PartitionKey(partition), f"q{i}", vector, float("inf"))
+
+
+def test_a_grown_partition_becomes_ivf_and_still_finds_and_forgets() -> None:
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((3000, 384)).astype(np.float32)
+    data /= np.linalg.norm(data, axis=1, keepdims=True)
+    index = VectorIndex(lambda meta: meta.embedding, ivf_min_entries=1000)
+    index.add([_meta(i + 1, data[i]) for i in range(1500)])
+    index.join_rebuilds()
+    index.add([_meta(i + 1, data[i]) for i in range(1500, 3000)])  # after the rebuild: added to the IVF index
+    index.add([_meta(10_000, data[0], partition="other")])
+    for i in (0, 1200, 2999):
+        assert index.search(PartitionKey("p"), data[i], 3)[0].meta.id == i + 1
+    index.remove([1201])
+    assert all(c.meta.id != 1201 for c in index.search(PartitionKey("p"), data[1200], 5))
+    assert [c.meta.id for c in index.search(PartitionKey("other"), data[0], 5)] == [10_000]
+    assert len(index) == 3000

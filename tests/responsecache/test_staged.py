@@ -1,0 +1,86 @@
+"""The staged semantic lookup through the real gateway: a miss no stored question could answer is
+ended by the cheap stage (nothing embedded); a stored question is embedded only when a lookup first
+needs it, and that embedding reaches SQL; a paraphrase is still served; past its CPU budget the
+semantic cache forwards instead of embedding."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from gateway.responsecache.embedder import CpuBudget
+from tests.conftest import Gateway
+from tests.responsecache.conftest import ADMIN, Client, cache_gateway
+
+
+def stats(gw: Gateway) -> dict:
+    reply = httpx.get(gw.base_url + "/admin/response-cache/stats", headers=ADMIN)
+    reply.raise_for_status()
+    return reply.json()
+
+
+def stored_embedding(gw: Gateway, query: str) -> bytes | None:
+    """The stored embedding of an entry, read from the SQLite file."""
+    engine = sa.create_engine(gw.database_url.replace("+aiosqlite", ""))
+    try:
+        with engine.connect() as conn:
+            return conn.execute(sa.text("select embedding from response_cache where query = :q"), {"q": query}).scalar()
+    finally:
+        engine.dispose()
+
+
+def test_unrelated_miss_is_ruled_out_without_an_embedding(gw: Gateway) -> None:
+    client = Client(gw)
+    client.miss_then_stored("What is the best way to learn to play the violin as an adult?")
+    before = stats(gw)
+    miss = client.chat("How many moons does the planet Jupiter have?")
+    assert miss.cache == "miss"
+    assert miss.headers.get("x-kvgate-semantic-stage") == "ruled-out"
+    after = stats(gw)
+    assert after["semantic_ruled_out"] == before["semantic_ruled_out"] + 1
+    assert after["semantic_judged"] == before["semantic_judged"]
+    assert after["embedded_entries"] == before["embedded_entries"], "nothing was embedded for a ruled-out miss"
+
+
+def test_stored_question_is_embedded_when_first_needed(gw: Gateway) -> None:
+    client = Client(gw)
+    question = "How do I clean the filter of my dishwasher at home?"
+    client.miss_then_stored(question)
+    client.wait_entries(1)
+    first = stats(gw)
+    hit = client.chat("How can I clean my dishwasher filter at home?")
+    assert hit.cache == "hit-semantic", hit.headers
+    after = stats(gw)
+    assert after["semantic_judged"] == first["semantic_judged"] + 1
+    assert after["embedded_entries"] >= first["embedded_entries"] + 1
+    if gw.database_url.startswith("sqlite"):
+        deadline = time.monotonic() + 10
+        while stored_embedding(gw, question) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert stored_embedding(gw, question) is not None, "the embedding computed on demand reaches SQL"
+
+
+def test_spent_cpu_budget_forwards_plausible_lookups_without_embedding(
+        fake_upstream: str, tmp_path_factory: pytest.TempPathFactory, embedding_model: object) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('budget') / 'kvgate.db'}"
+    with cache_gateway(fake_upstream, url, semantic_cpu_share=1e-6) as gw:
+        client = Client(gw)
+        client.miss_then_stored("How do I replace the battery of my car key fob?")
+        first = client.chat("How can I replace my car key fob battery?")
+        assert first.cache == "hit-semantic"  # the first lookup finds the budget not yet spent
+        second = client.chat("How do I change the battery in my car key fob?")
+        assert second.cache == "miss" and second.headers.get("x-kvgate-semantic-skipped") == "busy"
+        assert stats(gw)["semantic_busy"] == 1
+
+
+def test_cpu_budget_refills_at_its_share() -> None:
+    budget = CpuBudget(share=0.5)
+    assert budget.available()
+    budget.spend(1.0)
+    assert not budget.available()
+    budget._stamp -= 2.0  # two seconds later: 1.0 s refilled at half a core
+    assert budget.available()
+    assert CpuBudget(share=0).available(), "share 0 is no limit"
