@@ -68,3 +68,38 @@ def test_bench_overhead_explains_every_option(monkeypatch: pytest.MonkeyPatch) -
     for action in options:
         assert action.help, f"{action.option_strings[0]} has no help text"
     assert "LiteLLM is expected in its own environment" in parser.format_help()
+
+
+def test_benchmarks_that_import_the_engine_are_marked() -> None:
+    """A benchmark importing torch, transformers or the engine's packages at module level (itself or
+    through another bench module) is in ENGINE_BENCHMARKS, so that a gateway-only install names the
+    extra instead of printing a ModuleNotFoundError."""
+    import ast
+
+    from gateway.cli import BENCHMARKS, ENGINE_BENCHMARKS
+
+    root = Path(__file__).resolve().parents[2]
+    engine_roots = ("torch", "transformers", "gateway.engine", "gateway.kvcache")
+
+    def top_level_imports(module: str) -> set[str]:
+        tree = ast.parse((root / (module.replace(".", "/") + ".py")).read_text())
+        names: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        return names
+
+    def needs_engine(module: str, seen: set[str]) -> bool:
+        seen.add(module)
+        for name in top_level_imports(module):
+            if any(name == r or name.startswith(r + ".") for r in engine_roots):
+                return True
+            if name.startswith("bench.") and name not in seen and needs_engine(name, seen):
+                return True
+        return False
+
+    found = {name for name, module in BENCHMARKS.items() if needs_engine(module, set())}
+    assert found <= ENGINE_BENCHMARKS, f"import the engine, not in ENGINE_BENCHMARKS: {found - ENGINE_BENCHMARKS}"
+    assert {"codec", "ttft", "fuse"} <= found
