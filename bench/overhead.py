@@ -355,13 +355,22 @@ def _measure(paths: list[Target], args: argparse.Namespace) -> dict[tuple[str, i
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvgate bench overhead", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--requests-c1", type=int, default=200)
-    parser.add_argument("--requests-c32", type=int, default=800)
+    parser = argparse.ArgumentParser(
+        prog="kvgate bench overhead", description=__doc__.split("\n\n")[0],
+        epilog="LiteLLM is expected in its own environment, not kvgate's (its pins conflict): "
+               "python3 -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'; the litellm rows "
+               "use the `litellm` command found by --litellm, on PATH, or in .venv-litellm/bin, and are skipped "
+               "(with a note) when there is none.")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    parser.add_argument("--requests-c1", type=int, default=200, metavar="N",
+                        help="requests per round at concurrency 1 (default 200)")
+    parser.add_argument("--requests-c32", type=int, default=800, metavar="N",
+                        help="requests per round at concurrency 32 (default 800)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (medians printed)")
-    parser.add_argument("--no-litellm", action="store_true")
-    parser.add_argument("--litellm", help="path of the litellm proxy command")
+    parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM proxy rows")
+    parser.add_argument("--litellm", metavar="PATH",
+                        help="the `litellm` proxy command of LiteLLM's own environment "
+                             "(default: on PATH, else .venv-litellm/bin/litellm)")
     args = parser.parse_args(argv)
 
     notes: list[str] = []

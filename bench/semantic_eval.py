@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+import gateway.responsecache
 from gateway.responsecache.embedder import DIMENSIONS, encode, load_model
 from gateway.responsecache.index import VectorIndex, embeddings_index, sketches_index
 from gateway.responsecache.keys import PartitionKey
@@ -67,7 +68,8 @@ from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.store import EntryMeta
 from gateway.responsecache.verifier import Verifier, tokens
 
-SAMPLE_PAIRS = Path(__file__).resolve().parents[1] / "gateway" / "responsecache" / "data" / "sample_pairs.jsonl"
+# Shipped with the package (package data), so this default works from an installed kvgate too.
+SAMPLE_PAIRS = Path(gateway.responsecache.__file__).resolve().parent / "data" / "sample_pairs.jsonl"
 PARTITION = PartitionKey("eval")
 DEFAULT_LIMIT = 4000
 TIMED_QUERIES = 300

@@ -46,6 +46,10 @@ async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
     if not backends:
         # Imported here: torch and transformers cost seconds to import, and a gateway that only
         # fronts remote upstreams never needs them.
+        from gateway.engine.extra import missing_message
+
+        if (message := missing_message("the embedded default (no upstream configured)")) is not None:
+            raise RuntimeError(message)
         from gateway.engine.service import build_engine
         from gateway.upstream.engine import EngineBackend
 

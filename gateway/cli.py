@@ -9,16 +9,16 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from gateway.engine.extra import missing_message as engine_missing
 from gateway.observability.logging import configure_logging
 from gateway.settings import Settings, parse_upstream_flag
+from gateway.shipped import bench_tree
 from gateway.upstream.settings import with_upstream
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = {
     "overhead": "bench.overhead",
     "codec": "bench.codec",
@@ -37,6 +37,8 @@ BENCHMARKS = {
     "cascade": "bench.cascade",
     "fuse": "bench.fuse",
 }
+# Benchmarks of the built-in engine and its KV cache: they import torch (the `engine` extra).
+ENGINE_BENCHMARKS = {"codec", "kv-tiers", "kv-trace", "ttft", "concurrency", "engine", "cascade", "fuse"}
 EVALS = {"semantic": "bench.semantic_eval"}
 T = TypeVar("T")
 
@@ -67,6 +69,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
         return 2
+    if not settings.upstreams and (missing := engine_missing("kvgate serve with no upstream (the embedded default)")):
+        print(f"kvgate: {missing}; or put it in front of an upstream: --upstream NAME=BASE_URL", file=sys.stderr)
+        return 2
     configure_logging(settings)
     uvicorn.run(
         create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -76,6 +81,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    if missing := engine_missing("kvgate engine"):
+        print(f"kvgate: {missing}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from gateway.api.engine_app import create_engine_app
@@ -170,28 +178,32 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return run_stats(_settings(args), args.since, as_json=args.json)
 
 
-def run_from_checkout(command: str, module: str, rest: list[str]) -> int:
-    """Run a benchmark script of the source checkout in a child Python.
+def run_benchmark(command: str, module: str, rest: list[str]) -> int:
+    """Run a benchmark or evaluation of bench/ in a child Python.
 
     Benchmarks are scripts, not product code: they start fake upstreams and test servers from
-    tests/, so the wheel does not ship them, and this process's sys.path is left alone. A checkout
-    (or the Docker image, which copies bench/ and tests/ into /app) runs them; an installed wheel
-    says so plainly."""
-    if not (REPO_ROOT / "bench" / "__init__.py").is_file() or not (REPO_ROOT / "tests").is_dir():
-        print(f"kvgate {command}: the benchmarks live in the source checkout's bench/ (with tests/ beside it), "
-              f"not in the installed package; run it from a clone of kvgate (pip install -e .)", file=sys.stderr)
+    tests/, and import both as `bench.*` and `tests.*`. A checkout holds them beside gateway/; an
+    installed kvgate carries a copy of that tree inside the package (gateway/shipped.py). The child
+    gets the tree on its PYTHONPATH, so this process's sys.path is left alone."""
+    tree = bench_tree()
+    if tree is None:
+        print(f"kvgate {command}: neither this installation nor a source checkout beside it holds bench/ "
+              f"(with the tests/ helpers it imports)", file=sys.stderr)
         return 2
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     code = f"import sys; from {module} import main; raise SystemExit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *rest], env=env).returncode
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    return run_from_checkout("bench", BENCHMARKS[args.name], rest)
+    if args.name in ENGINE_BENCHMARKS and (missing := engine_missing(f"kvgate bench {args.name}")):
+        print(f"kvgate: {missing}", file=sys.stderr)
+        return 2
+    return run_benchmark("bench", BENCHMARKS[args.name], rest)
 
 
 def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
-    return run_from_checkout("eval", EVALS[args.name], rest)
+    return run_benchmark("eval", EVALS[args.name], rest)
 
 
 def build_parser() -> argparse.ArgumentParser:

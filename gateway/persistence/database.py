@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+from gateway.shipped import migrations_dir
 
 
 def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20, pool_timeout_s: float = 30.0) -> AsyncEngine:
@@ -47,7 +46,7 @@ def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
 
 def alembic_config(url: str) -> Config:
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("script_location", str(migrations_dir()))
     config.set_main_option("sqlalchemy.url", url)
     return config
 

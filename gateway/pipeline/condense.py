@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from gateway.engine.extra import missing_message
 from gateway.engine.settings import EngineSettings
 from gateway.errors import InvalidField, ServiceUnavailable
 from gateway.pipeline.settings import CondenseSettings
@@ -157,6 +158,8 @@ class CondenseStep:
         if self._condenser is None:
             async with self._lock:
                 if self._condenser is None:
+                    if (missing := missing_message("condensing")) is not None:
+                        raise ServiceUnavailable(missing, code="condense_unavailable")
                     from gateway.engine.condense import load_condenser
 
                     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -69,6 +70,21 @@ def eventually(check: Callable[[], Any], timeout_s: float, what: str, every_s: f
             last = result
         time.sleep(every_s)
     raise AssertionError(f"{what}: not within {timeout_s:.0f}s (last: {last!r})")
+
+
+def _sample(metrics_text: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", metrics_text, re.MULTILINE)
+    assert found, f"{name} not exported"
+    return float(found.group(1))
+
+
+def write_behind_settled(engine_url: str) -> bool:
+    """The engine at `engine_url` (its base URL) has written KV blocks and has none left to write:
+    its stores reached every tier, Redis included (the write-behind queue writes through). A test that
+    reads from another engine what this one computed waits for this first."""
+    text = httpx.get(engine_url + "/metrics", timeout=10).text
+    return (_sample(text, "kvgate_kv_write_behind_written_blocks_total") > 0
+            and _sample(text, "kvgate_kv_write_behind_pending_blocks") == 0)
 
 
 class Stack:

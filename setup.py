@@ -1,0 +1,25 @@
+"""The wheel's packages (metadata and dependencies are in pyproject.toml).
+
+gateway/ as found, plus two trees that live beside it in the checkout, which stays their source of
+truth, and are installed inside it, so that an installed kvgate needs no checkout:
+
+    migrations/           -> gateway/_migrations            alembic's script directory (`kvgate migrate`)
+    bench/, tests/*.py    -> gateway/_bench_tree/{bench,tests}  what `kvgate bench` / `kvgate eval` run:
+                                                            the benchmarks and the fake upstreams and
+                                                            server helpers they start, laid out as in
+                                                            the checkout (gateway/shipped.py finds them)
+"""
+
+from setuptools import find_packages, setup
+
+MAPPED = {
+    "gateway._migrations": "migrations",
+    "gateway._migrations.versions": "migrations/versions",
+    "gateway._bench_tree.bench": "bench",
+    "gateway._bench_tree.tests": "tests",  # the top-level modules only: fake upstreams, servers.py
+}
+
+setup(
+    packages=[*find_packages(include=["gateway", "gateway.*"]), *MAPPED],
+    package_dir=MAPPED,  # their data files: [tool.setuptools.package-data] in pyproject.toml
+)
