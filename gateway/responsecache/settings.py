@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator
 
 
 class ResponseCacheSettings(BaseModel):
@@ -21,9 +21,10 @@ class ResponseCacheSettings(BaseModel):
     default_ttl_s: float = Field(default=86400.0, gt=0, description="Lifetime of an entry unless a request sets one.")
     max_ttl_s: float = Field(default=30 * 86400.0, gt=0, description="Upper bound of a per-request TTL.")
     memory_entries: int = Field(default=10_000, ge=0, description="Answers kept in memory in front of SQL (LRU).")
-    target_false_hit_rate: float = Field(
-        default=0.01, gt=0, lt=1,
-        description="Semantic operating point: wrong hits per semantic lookup (strict), calibrated per language.",
+    max_false_hit_rate: float = Field(
+        default=0.01, gt=0, lt=1, validation_alias=AliasChoices("max_false_hit_rate", "target_false_hit_rate"),
+        description="The error bound: wrong semantic hits per semantic lookup (strict), each language's "
+                    "threshold read from its calibration curve (target_false_hit_rate: the former name).",
     )
     embedding_backend: Literal["builtin", "sentence-transformers", "openai"] = Field(
         default="builtin",

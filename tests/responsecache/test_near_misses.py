@@ -22,7 +22,7 @@ DATA = Path(__file__).with_name("data")
 
 def replay(pairs: list[Any], embedding_model: Any) -> list[tuple[str, float | None, bool]]:
     vectors = embed_texts(embedding_model, [p.a for p in pairs] + [p.b for p in pairs], progress=False)
-    verifier = Verifier.load(ResponseCacheSettings().target_false_hit_rate)
+    verifier = Verifier.load(ResponseCacheSettings().max_false_hit_rate)
     queries = without_exact_twins(pairs)
     sketcher = Sketcher.load()
     outcomes = score(queries, StagedCache(stored_metas(pairs, vectors, (), sketcher), sketcher), vectors, verifier)

@@ -77,9 +77,9 @@ def test_spent_cpu_budget_forwards_plausible_lookups_without_embedding(
 
 
 def test_cpu_budget_refills_at_its_share() -> None:
-    budget = CpuBudget(share=0.5)
+    budget = CpuBudget(share=0.5)  # a bucket of 0.5 * BURST_S = 4 s
     assert budget.available()
-    budget.spend(1.0)
+    budget.spend(4.5)
     assert not budget.available()
     budget._stamp -= 2.0  # two seconds later: 1.0 s refilled at half a core
     assert budget.available()

@@ -214,6 +214,15 @@ def test_language_of() -> None:
     for text in ("Comment réinitialiser mon mot de passe ?", "Wie setze ich mein Passwort zurück?",
                  "パスワードをリセットする方法", "비밀번호를 재설정하는 방법"):
         assert language_of(text) is None, text
+    # Short English commands with no English function word read as English (issue 27) ...
+    for text in ("Name three primary colors.", "List five fruits.", "Describe photosynthesis briefly.",
+                 "Generate a haiku about autumn."):
+        assert language_of(text) is Language.ENGLISH, text
+    # ... and short commands in other Latin languages, ASCII or not, still do not.
+    for text in ("Comment changer le mot de passe", "Nombra tres colores primarios.", "Elenca tre colori primari.",
+                 "Noem drie primaire kleuren.", "Lista tres frutas.", "Resume este articulo.",
+                 "Nomme trois couleurs primaires.", "Schreibe ein kurzes Gedicht."):
+        assert language_of(text) is None, text
 
 
 def test_differing_parts_of_long_shared_contexts() -> None:
