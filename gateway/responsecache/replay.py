@@ -16,6 +16,8 @@ from typing import Any
 from gateway.schemas.sse import encode_done, encode_event
 
 COMPLETE_REASONS = frozenset({"stop", "tool_calls"})
+_PIECE = re.compile(r"\s*\S+\s*|\s+")
+WORDS_PER_CHUNK = 8
 # Cut at the request's token limit: the same request (the key and the semantic partition carry
 # `max_tokens`) gets the same answer, so it is stored unless `store_length_limited` is off.
 LENGTH = "length"
