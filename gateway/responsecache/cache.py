@@ -208,6 +208,9 @@ class ResponseCache:
             self._index.add(live)
 
     def _forget(self, scope: PurgeFilter) -> None:
+        if scope.entry_id is not None:  # a delete: the entry is in SQL, so not among `_storing`
+            self._remove([scope.entry_id])
+            return
         ids = [m.id for m in self._directory.by_id.values() if scope.matches(m)]
         self._remove(ids)
         for key, (_, _, pending) in list(self._storing.items()):
@@ -490,12 +493,15 @@ class ResponseCache:
 
     async def delete(self, *, entry_id: int | None = None, key: str | None = None) -> int:
         """Delete one entry by id, or every live entry of a key (its public name, `public_key`),
-        here and in SQL. Other replicas drop it from memory when they next fail to load it (an
-        answer they hold in their LRU may be served until it is evicted or purged)."""
+        here and in SQL. Each delete is recorded beside the purges, so the other replicas drop it
+        from memory (answer LRU included) at their next feed read, as they do a purge."""
         ids = [entry_id] if entry_id is not None else \
             [m.id for m in self._directory.by_id.values() if public_key(m.exact_key) == key]
-        deleted = await self._store.delete(ids=ids)
+        purge_id, deleted = await self._store.delete(ids=ids)
         self._remove(ids)
+        if ids:
+            self._feed.mark_purge_seen(purge_id)
+            await self._feed.announce()
         return deleted
 
     async def purge(self, scope: PurgeFilter) -> int:
