@@ -38,7 +38,7 @@ class _Message(_Open):
 class _Choice(_Open):
     index: StrictInt = Field(default=0, ge=0)
     message: _Message
-    finish_reason: Literal["stop", "tool_calls"]
+    finish_reason: Literal["stop", "tool_calls", "length"]  # length: `is_complete` decides (setting)
 
 
 class _PromptDetails(_Open):
@@ -63,7 +63,7 @@ class _Completion(_Open):
 class _TextChoice(_Open):
     index: StrictInt = Field(default=0, ge=0)
     text: StrictStr
-    finish_reason: Literal["stop"]
+    finish_reason: Literal["stop", "length"]
 
 
 class _TextCompletion(_Open):
