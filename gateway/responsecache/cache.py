@@ -102,6 +102,7 @@ class Lookup:
     answer: dict[str, Any] | None = None
     entry_id: int | None = None
     similarity: float | None = None
+    probability: float | None = None  # the judge's, on a semantic hit
     semantic_skipped: str | None = None
     # Why the answer to this miss was not stored (`x-kvgate-store-skipped`), once `store_later` knows.
     store_skipped: str | None = None
@@ -119,6 +120,8 @@ class Lookup:
             headers["x-kvgate-cache-id"] = str(self.entry_id)
         if self.similarity is not None:
             headers["x-kvgate-similarity"] = f"{self.similarity:.4f}"
+        if self.probability is not None:
+            headers["x-kvgate-judge-probability"] = f"{self.probability:.4f}"
         if self.semantic_skipped is not None:
             headers["x-kvgate-semantic-skipped"] = self.semantic_skipped
         if self.stage is not None and self.status == MISS:
@@ -328,9 +331,13 @@ class ResponseCache:
             match = None  # a long shared context: judged below by what differs, not by the whole turn
         if match is None:
             match = await self._match_by_differing_parts(lookup.partition, lookup.vector, lookup.query, now)
+        controls = lookup.controls
+        if match is not None and not self._verifier.accepts(lookup.query, match.probability, controls.min_probability,
+                                                            controls.max_false_hit_rate):
+            match = None  # the most probable match misses the request's own stricter bar: so do the rest
         if match is not None and await self._load(lookup, match.meta.id):
             lookup.status = HIT_SEMANTIC
-            lookup.similarity = match.similarity
+            lookup.similarity, lookup.probability = match.similarity, match.probability
 
     async def _name_stored(self, lookup: Lookup, written: asyncio.Future[None]) -> None:
         """A hit on an answer still being written: wait for its insert (at most STORING_WAIT_S) so
