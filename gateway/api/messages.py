@@ -25,6 +25,7 @@ from gateway.responsecache.controls import read_controls
 from gateway.schemas import anthropic
 from gateway.schemas.usage import error_of
 from gateway.services import Services
+from gateway.usage.tokens import estimate_prompt_tokens
 
 router = APIRouter(prefix="/v1")
 
@@ -58,5 +59,7 @@ async def messages(request: Request, services: ServicesDep, principal: Principal
                 include_usage=True, cache=controls, session=session)
     response = await services.proxy.forward(call)
     if stream:
-        return render(translate_stream(response, anthropic.ChatToAnthropicStream(model), _stream_error))
+        hit = response.headers.get("x-kvgate-cache", "").startswith("hit")
+        translator = anthropic.ChatToAnthropicStream(model, input_tokens=estimate_prompt_tokens(chat), cached=hit)
+        return render(translate_stream(response, translator, _stream_error))
     return render(translate_json(response, lambda completion: anthropic.from_chat_completion(completion, model)))
