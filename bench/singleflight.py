@@ -7,6 +7,10 @@ a model's generation time) and `kvgate serve` run as their own processes. Each r
     single-flight   the default: one request goes upstream, the others wait for its answer
     baseline        the same bursts with `x-kvgate-cache-mode: off` (no cache, no single-flight)
 
+Then `--rounds` streamed bursts: one request leads, the others follow it once its stream has
+started, while the fake streams one word per `--token-delay-s`. Time to first token (the first
+content chunk) is measured per request, client side: the followers' against the leader's.
+
 Upstream calls are counted on the fake; latency is per request, client side.
 """
 
@@ -39,12 +43,57 @@ async def _burst(url: str, headers: dict[str, str], body: dict, n: int) -> list[
         return list(await asyncio.gather(*(one(client) for _ in range(n))))
 
 
+async def _stream_burst(url: str, headers: dict[str, str], body: dict, n: int,
+                        lead_s: float) -> list[tuple[str, float, float]]:
+    """(x-kvgate-cache, ms to first token, ms to the end) for each of `n` streams; the first
+    starts `lead_s` before the others."""
+    async def one(client: httpx.AsyncClient, delay_s: float) -> tuple[str, float, float]:
+        await asyncio.sleep(delay_s)
+        started = time.perf_counter()
+        first_ms = None
+        async with client.stream("POST", url, json=body, headers=headers) as reply:
+            async for line in reply.aiter_lines():
+                if first_ms is None and '"content":"' in line and '"content":""' not in line:
+                    first_ms = (time.perf_counter() - started) * 1000
+            status = reply.headers.get("x-kvgate-cache", "?")
+        total_ms = (time.perf_counter() - started) * 1000
+        return status, first_ms if first_ms is not None else total_ms, total_ms
+
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        return list(await asyncio.gather(*(one(client, 0.0 if i == 0 else lead_s) for i in range(n))))
+
+
+def _stream_rows(url: str, key: str, args: argparse.Namespace) -> list[dict]:
+    leaders: list[float] = []
+    followers: list[float] = []
+    totals: list[float] = []
+    for round_ in range(args.rounds):
+        body = {"model": "fake-model", "stream": True, "fake_fault": f"slow_tokens:{args.token_delay_s}",
+                "messages": [{"role": "user", "content": f"stream round {round_}: explain what a KV cache "
+                                                         "holds and why a prefix of it can be reused"}]}
+        results = asyncio.run(_stream_burst(url, {"authorization": f"Bearer {key}"}, body, args.burst,
+                                            lead_s=args.token_delay_s / 2))
+        for status, first_ms, total_ms in results:
+            if status == "miss":
+                leaders.append(first_ms)
+                totals.append(total_ms)
+            elif status == "hit-inflight":
+                followers.append(first_ms)
+    return [{"who": "leader (miss)", "n": len(leaders), "p50_ttft_ms": round(statistics.median(leaders), 1),
+             "p99_ttft_ms": round(_percentile(leaders, 0.99), 1), "p50_total_ms": round(statistics.median(totals), 1)},
+            {"who": "followers (hit-inflight)", "n": len(followers),
+             "p50_ttft_ms": round(statistics.median(followers), 1) if followers else None,
+             "p99_ttft_ms": round(_percentile(followers, 0.99), 1) if followers else None, "p50_total_ms": None}]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvgate bench singleflight")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--burst", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--upstream-delay-s", type=float, default=0.2)
+    parser.add_argument("--token-delay-s", type=float, default=0.1, help="streamed rounds: per word")
     args = parser.parse_args(argv)
     rows = []
     with ExitStack() as stack:
@@ -79,8 +128,9 @@ def main(argv: list[str]) -> int:
                          "p50_ms": round(statistics.median(latencies), 1),
                          "p99_ms": round(_percentile(latencies, 0.99), 1), "wall_s": round(wall_s, 2),
                          "errors": errors})
+        streamed = _stream_rows(url, key, args)
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps({"bursts": rows, "streams": streamed}))
         return 0
     print(f"{args.rounds} bursts of {args.burst} identical requests; upstream answers after {args.upstream_delay_s} s")
     print("| mode | requests | upstream calls | p50 ms | p99 ms | wall s | errors |")
@@ -88,6 +138,12 @@ def main(argv: list[str]) -> int:
     for r in rows:
         print(f"| {r['mode']} | {r['requests']} | {r['upstream_calls']} | {r['p50_ms']} | {r['p99_ms']} "
               f"| {r['wall_s']} | {r['errors']} |")
+    print(f"\n{args.rounds} streamed bursts of {args.burst}; the fake streams one word per {args.token_delay_s} s; "
+          "followers start half a word after the leader")
+    print("| who | streams | p50 TTFT ms | p99 TTFT ms | p50 total ms |")
+    print("|---|---|---|---|---|")
+    for r in streamed:
+        print(f"| {r['who']} | {r['n']} | {r['p50_ttft_ms']} | {r['p99_ttft_ms']} | {r['p50_total_ms'] or ''} |")
     return 0
 
 

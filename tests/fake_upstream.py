@@ -11,6 +11,7 @@ Replies echo the last user message. A request picks a fault with the body field 
     malformed_sse               send an event whose data is not JSON
     garbage                     answer 200 with a body that is not JSON
     finish_length               a normal answer whose finish_reason is "length" (cut off)
+    slow_tokens:S               stream normally, sleeping S seconds before each content chunk
 
 GET /control/state shows the last request (body and headers) and which streams were cancelled.
 """
@@ -191,6 +192,8 @@ def create_fake_upstream(prefix_cache_blocks: int = 0, report_cached: bool = Tru
                             raise ConnectionResetError("fake drops the connection")
                         if fault == "malformed_sse" and i == 1:
                             yield b"data: {not json\n\n"
+                        if fault.startswith("slow_tokens:"):
+                            await asyncio.sleep(float(tag))
                         delta = {"content": word if i == 0 else " " + word, "reasoning_content": None}
                         yield _event({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
                 yield _event({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})

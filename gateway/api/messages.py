@@ -3,7 +3,8 @@
 Anthropic-style upstreams get the body unchanged (gateway/pipeline/native.py); OpenAI-style
 upstreams and the built-in engine get it translated to chat completions, through the same caches,
 single-flight and accounting as `/v1/chat/completions`. The SDK's `x-api-key` authenticates (see
-api/auth.py); `anthropic-version` and `anthropic-beta` are accepted and not needed. Errors on
+api/auth.py); `anthropic-version` is accepted and not needed; `anthropic-beta` reaches Anthropic-style
+upstreams (and is part of the cache key there), and is dropped when the request is translated. Errors on
 this route are in Anthropic's envelope (errors.py).
 """
 
@@ -25,6 +26,7 @@ from gateway.responsecache.controls import read_controls
 from gateway.schemas import anthropic
 from gateway.schemas.usage import error_of
 from gateway.services import Services
+from gateway.usage.tokens import estimate_prompt_tokens
 
 router = APIRouter(prefix="/v1")
 
@@ -49,8 +51,9 @@ async def messages(request: Request, services: ServicesDep, principal: Principal
     model, stream = body["model"], bool(body.get("stream"))
     session = request.headers.get("x-kvgate-session")
     if services.native_messages is not None and await speaks(services, model, "api", "anthropic"):
+        beta = request.headers.get("anthropic-beta")
         call = Call(request_id(request), principal, Route.MESSAGES, "/messages", model, body, stream=stream,
-                    cache=controls, session=session)
+                    cache=controls, session=session, upstream_headers={"anthropic-beta": beta} if beta else {})
         return render(await services.native_messages.forward(call))
     chat = with_prompt_cache_key(anthropic.to_chat_request(body), principal.tenant, session,
                                  derive=services.settings.derive_prompt_cache_key)
@@ -58,5 +61,7 @@ async def messages(request: Request, services: ServicesDep, principal: Principal
                 include_usage=True, cache=controls, session=session)
     response = await services.proxy.forward(call)
     if stream:
-        return render(translate_stream(response, anthropic.ChatToAnthropicStream(model), _stream_error))
+        hit = response.headers.get("x-kvgate-cache", "").startswith("hit")
+        translator = anthropic.ChatToAnthropicStream(model, input_tokens=estimate_prompt_tokens(chat), cached=hit)
+        return render(translate_stream(response, translator, _stream_error))
     return render(translate_json(response, lambda completion: anthropic.from_chat_completion(completion, model)))

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 from typing import Any
 
 import orjson
+from sqlalchemy import inspect, make_url
 
 from gateway.observability.summary import build_summary, parse_duration
-from gateway.persistence.database import make_engine, make_sessionmaker
+from gateway.persistence.database import describe_db_error, make_engine, make_sessionmaker
+from gateway.persistence.models import RequestLog
 from gateway.settings import Settings
 
 
@@ -20,9 +23,20 @@ def run_stats(settings: Settings, since: str, *, as_json: bool) -> int:
         print(f"kvgate: --since: {exc}", file=sys.stderr)
         return 2
 
-    async def run() -> dict[str, Any]:
+    url = make_url(settings.database_url)
+    shown = url.render_as_string(hide_password=True)
+    if url.get_backend_name() == "sqlite" and not (url.database and Path(url.database).is_file()):
+        # Opening a missing SQLite file would create it: a stray empty kvgate.db in the wrong directory.
+        print(f"kvgate: no database at {shown} (run `kvgate serve` or `kvgate migrate` there first)", file=sys.stderr)
+        return 1
+
+    async def run() -> dict[str, Any] | None:
         engine = make_engine(settings.database_url)
         try:
+            async with engine.connect() as conn:
+                tables = await conn.run_sync(lambda sync: inspect(sync).get_table_names())
+            if RequestLog.__tablename__ not in tables:
+                return None
             return await build_summary(make_sessionmaker(engine), window, settings.observability,
                                        settings.price_for)
         finally:
@@ -31,7 +45,11 @@ def run_stats(settings: Settings, since: str, *, as_json: bool) -> int:
     try:
         summary = asyncio.run(run())
     except Exception as exc:  # an unreadable database is a user error here, not a traceback
-        print(f"kvgate: cannot read the request log at {settings.database_url}: {exc.__class__.__name__}: {exc}",
+        # The class and SQLSTATE only: a driver's message quotes the SQL and its values.
+        print(f"kvgate: cannot read the request log at {shown}: {describe_db_error(exc)}", file=sys.stderr)
+        return 1
+    if summary is None:
+        print(f"kvgate: {shown} has no kvgate tables (run `kvgate migrate` or start `kvgate serve` on it)",
               file=sys.stderr)
         return 1
     if as_json:

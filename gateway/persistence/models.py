@@ -95,8 +95,9 @@ class ResponseCacheEntry(Base):
 
 
 class ResponseCachePurge(Base):
-    """An admin purge, kept so that every replica can drop the same entries from memory: replicas
-    read new purges by id, the way they read new entries. A null column matches everything."""
+    """An admin purge or delete, kept so that every replica can drop the same entries from memory:
+    replicas read new purges by id, the way they read new entries. A null column matches
+    everything; a row with `entry_id` names one deleted entry and matches nothing else."""
 
     __tablename__ = "response_cache_purges"
 
@@ -104,4 +105,5 @@ class ResponseCachePurge(Base):
     tenant: Mapped[str | None] = mapped_column(String(128))
     namespace: Mapped[str | None] = mapped_column(String(128))
     model: Mapped[str | None] = mapped_column(String(256))
+    entry_id: Mapped[int | None] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

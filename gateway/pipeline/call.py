@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -43,6 +43,8 @@ class Call:
     condensed: CondenseOutcome | None = None
     compact: bool = False  # continue from a summary when the conversation overflows the context
     compaction: Compaction | None = None  # set when it did
+    # Client headers the upstream must see (native Messages: `anthropic-beta`); part of the cache key.
+    upstream_headers: dict[str, str] = field(default_factory=dict)
 
 
 def compaction_headers(call: Call) -> dict[str, str]:

@@ -98,6 +98,8 @@ class NativeRoute:
         lookup: Lookup | None = None
         if self._cache is not None and call.cache is not None:
             keyed = {"kvgate_api": self._dialect.key_mark, **call.body}
+            if call.upstream_headers:  # a beta feature may change the answer
+                keyed["kvgate_upstream_headers"] = call.upstream_headers
             lookup = await self._cache.lookup(call.principal.tenant, keyed, call.cache)
             if lookup.answer is not None:
                 return self._replay(call, run, lookup)
@@ -116,7 +118,8 @@ class NativeRoute:
         try:
             if call.stream:
                 return await self._stream(call, run, lookup, flight)
-            result, route = await self._router.call(call.model, lambda b: b.post_json(self._dialect.path, call.body))
+            result, route = await self._router.call(call.model, lambda b: b.post_json(self._dialect.path, call.body,
+                                                                                 headers=call.upstream_headers))
             self._router.release(route)
         except GatewayError as exc:
             run.error, run.status = exc, exc.status_code
@@ -163,7 +166,8 @@ class NativeRoute:
         return Answer(orjson.dumps(message), headers)
 
     async def _stream(self, call: Call, run: _Run, lookup: Lookup | None, flight: Flight | None) -> EventStream:
-        stream, route = await self._router.call(call.model, lambda b: b.post_stream(self._dialect.path, call.body))
+        stream, route = await self._router.call(call.model, lambda b: b.post_stream(self._dialect.path, call.body,
+                                                                                   headers=call.upstream_headers))
         assembler = self._dialect.assembler()
         finished = False
 

@@ -10,6 +10,7 @@ see the client, and nothing here knows Starlette.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import orjson
 
@@ -27,11 +28,12 @@ from gateway.pipeline.compaction import (
     summary_text,
 )
 from gateway.pipeline.condense import CondenseStep, annotate_usage, condense_headers
+from gateway.pipeline.follow import follow_stream
 from gateway.pipeline.record import request_row
 from gateway.pipeline.results import Answer, EventStream, Result, iterate
 from gateway.pipeline.singleflight import Flight, SingleFlight
 from gateway.pipeline.stream import StreamRun
-from gateway.responsecache.cache import HIT_INFLIGHT, Lookup, ResponseCache
+from gateway.responsecache.cache import HIT_INFLIGHT, KINDS, Lookup, ResponseCache
 from gateway.upstream.backend import JSONObject, UpstreamJSON
 from gateway.upstream.router import Route as Routed
 from gateway.upstream.router import Router
@@ -109,7 +111,12 @@ class Proxy:
 
     async def _follow(self, call: Call, started: float, prepared: Prepared, lookup: Lookup,
                       flight: Flight) -> Result:
-        """Answer from the leader of an identical request in flight, as a cache hit would be."""
+        """Answer from the leader of an identical request in flight, as a cache hit would be; a
+        stream whose leader streams follows it live, from its first chunk."""
+        if call.stream:
+            await flight.started()
+            if not flight.done and flight.chunks:
+                return self._follow_live(call, started, prepared, lookup, flight)
         try:
             answer = await self.flights.wait(flight)
         except GatewayError as exc:
@@ -119,6 +126,19 @@ class Proxy:
             return await self.forward(call)
         lookup.answer, lookup.status = answer, HIT_INFLIGHT
         return self._hit(call, started, prepared, lookup)
+
+    def _follow_live(self, call: Call, started: float, prepared: Prepared, lookup: Lookup,
+                     flight: Flight) -> EventStream:
+        lookup.status = HIT_INFLIGHT
+        first_byte = time.perf_counter()
+
+        def logged(usage: dict[str, Any] | None, error: GatewayError | None) -> None:
+            self.log.record(request_row(call, started, status=error.status_code if error else 200, usage=usage,
+                                        ttfb_s=first_byte, error=error, cache=HIT_INFLIGHT))
+
+        events = follow_stream(flight, kind=KINDS.get(HIT_INFLIGHT, "inflight"), include_usage=call.include_usage,
+                               on_end=logged)
+        return EventStream(events, {**lookup.headers, "x-request-id": call.request_id, **prepared.headers})
 
     async def _failed(self, call: Call, started: float, prepared: Prepared, exc: GatewayError,
                       lookup: Lookup | None, flight: Flight | None) -> Result:

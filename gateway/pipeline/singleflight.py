@@ -6,6 +6,11 @@ cache hit (streamed or not, in their own format). A leader that fails fails its 
 same error; a leader whose client left before the answer was complete fails them too, since there
 is no complete answer to give.
 
+A streamed leader shares its stream as it arrives (`Flight.chunks`): a streamed follower replays
+what is buffered from the start, then follows live, so its first token comes when the leader's
+does (pipeline/follow.py). A leader that fails mid-stream ends every such follower with the same
+error event.
+
 A finished flight lingers until the leader's answer is in the response cache (`linger`), so a
 request arriving between the leader's last byte and the cache write still makes no second call.
 Only exact keys join a flight; the flights live in one process (replicas do not share them).
@@ -30,6 +35,20 @@ class Flight:
     future: asyncio.Future[Answer]
     num_followers: int = 0
     done: bool = field(default=False)
+    # The leader's parsed stream chunks so far (None: the leader does not stream); append-only.
+    chunks: list[dict[str, Any]] | None = None
+    # Set, and replaced, each time `chunks` grows or the flight ends: followers wait on it.
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def publish(self) -> None:
+        """Wake every follower waiting for more (new chunks, or the end)."""
+        woken, self.progress = self.progress, asyncio.Event()
+        woken.set()
+
+    async def started(self) -> None:
+        """Wait until the leader's stream has a first chunk, or the flight has ended."""
+        while not self.done and not self.chunks:
+            await self.progress.wait()
 
 
 class SingleFlight:
@@ -58,7 +77,7 @@ class SingleFlight:
         try:
             return await asyncio.shield(flight.future)
         except GatewayError as exc:
-            raise _clone(exc) from None
+            raise clone_error(exc) from None
 
     def resolve(self, flight: Flight, answer: Answer, linger: asyncio.Future[Any] | None = None) -> None:
         """Give the followers `answer`; forget the flight now, or once `linger` (the cache write)
@@ -67,6 +86,7 @@ class SingleFlight:
             return
         flight.done = True
         flight.future.set_result(answer)
+        flight.publish()
         if linger is None or linger.done():
             self._forget(flight)
         else:
@@ -79,6 +99,7 @@ class SingleFlight:
             return
         flight.done = True
         flight.future.set_result(None)
+        flight.publish()
         self._forget(flight)
 
     def fail(self, flight: Flight, error: GatewayError) -> None:
@@ -87,6 +108,7 @@ class SingleFlight:
         flight.done = True
         flight.future.set_exception(error)
         flight.future.exception()  # retrieved: a flight nobody followed must not warn at exit
+        flight.publish()
         self._forget(flight)
 
     def _forget(self, flight: Flight) -> None:
@@ -94,7 +116,7 @@ class SingleFlight:
             del self._flights[flight.key]
 
 
-def _clone(error: GatewayError) -> GatewayError:
+def clone_error(error: GatewayError) -> GatewayError:
     """The same error for another waiter: one exception object raised in many tasks would share
     (and grow) one traceback. Built without `__init__`, whose arguments differ by subclass."""
     clone = error.__class__.__new__(error.__class__)

@@ -45,6 +45,8 @@ class StreamRun:
         self._outcome = StreamOutcome(started_s=started)
         if self._storing or flight is not None:
             self._outcome.chunks = []
+        if flight is not None:
+            flight.chunks = self._outcome.chunks  # followers read the stream live (pipeline/follow.py)
         self._stream: UpstreamStream | None = None
         self._route: Route | None = None
         self._kept = False
@@ -85,6 +87,8 @@ class StreamRun:
         try:
             async for event in relay_stream(self._stream, self._outcome, drop_usage_chunk=not self._call.include_usage,
                                             rewrite_usage_chunk=self._rewrite_usage_chunk):
+                if self._flight is not None:
+                    self._flight.publish()
                 if self._outcome.completed:
                     self._keep()
                 yield event

@@ -22,6 +22,7 @@ with no shared state already live beside it (exact.py, semantic.py, store.py, re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -68,9 +69,16 @@ SKIP_BUSY = "busy"  # plausible, but the embeddings' CPU budget is spent (`embed
 # How a semantic-eligible miss ended (`x-kvgate-semantic-stage`): ruled out by the cheap stage (no
 # embedding computed), or embedded and judged.
 STAGE_RULED_OUT, STAGE_JUDGED = "ruled-out", "judged"
+# Why an answer was not stored (`x-kvgate-store-skipped`, on non-streamed misses; a stream's headers
+# leave before its end, so only `no-store` is known there).
+STORE_SKIP_NO_STORE, STORE_SKIP_ERROR, STORE_SKIP_INVALID = "no-store", "error", "invalid"
+STORE_SKIP_CONTENT_FILTER, STORE_SKIP_LENGTH, STORE_SKIP_INCOMPLETE = "content-filter", "length", "incomplete"
+STORE_SKIP_TOO_LARGE, STORE_SKIP_BUSY = "too-large", "store-queue-full"
 PROGRESS_MIN_ENTRIES = 10_000
 SWEEP_INTERVAL_S = 30.0
 STORE_BATCH = 128
+# How long a hit on an answer still being written waits for its insert, to name the entry.
+STORING_WAIT_S = 1.0
 
 
 # An answer waiting for the writer: its lookup, the answer, its bytes, done once written or dropped.
@@ -94,7 +102,10 @@ class Lookup:
     answer: dict[str, Any] | None = None
     entry_id: int | None = None
     similarity: float | None = None
+    probability: float | None = None  # the judge's, on a semantic hit
     semantic_skipped: str | None = None
+    # Why the answer to this miss was not stored (`x-kvgate-store-skipped`), once `store_later` knows.
+    store_skipped: str | None = None
 
     @property
     def hit_usage(self) -> dict[str, Any] | None:
@@ -109,10 +120,16 @@ class Lookup:
             headers["x-kvgate-cache-id"] = str(self.entry_id)
         if self.similarity is not None:
             headers["x-kvgate-similarity"] = f"{self.similarity:.4f}"
+        if self.probability is not None:
+            headers["x-kvgate-judge-probability"] = f"{self.probability:.4f}"
         if self.semantic_skipped is not None:
             headers["x-kvgate-semantic-skipped"] = self.semantic_skipped
         if self.stage is not None and self.status == MISS:
             headers["x-kvgate-semantic-stage"] = self.stage
+        skipped = self.store_skipped or (STORE_SKIP_NO_STORE if not self.controls.write and self.answer is None
+                                         else None)
+        if skipped is not None:
+            headers["x-kvgate-store-skipped"] = skipped
         return headers
 
 
@@ -142,7 +159,7 @@ class ResponseCache:
         # Answers handed to `store_later` whose SQL insert has not finished: served by exact key
         # at once, so a client asking again right after the last byte hits (an insert may take
         # seconds on a busy SQLite file).
-        self._storing: dict[ExactKey, tuple[dict[str, Any], float, Lookup]] = {}
+        self._storing: dict[ExactKey, tuple[dict[str, Any], float, Lookup, asyncio.Future[None]]] = {}
         self._last_sweep = time.monotonic()
         self._feed = ChangeFeed(store, on_entries=self._add, on_purge=self._forget, on_tick=self._tick,
                                 poll_interval_s=settings.poll_interval_s, redis_url=settings.redis_url,
@@ -208,9 +225,12 @@ class ResponseCache:
             self._index.add(live)
 
     def _forget(self, scope: PurgeFilter) -> None:
+        if scope.entry_id is not None:  # a delete: the entry is in SQL, so not among `_storing`
+            self._remove([scope.entry_id])
+            return
         ids = [m.id for m in self._directory.by_id.values() if scope.matches(m)]
         self._remove(ids)
-        for key, (_, _, pending) in list(self._storing.items()):
+        for key, (_, _, pending, _) in list(self._storing.items()):
             if ((scope.tenant is None or pending.tenant == scope.tenant)
                     and (scope.namespace is None or pending.controls.namespace == scope.namespace)
                     and (scope.model is None or pending.model == scope.model)):
@@ -289,6 +309,7 @@ class ResponseCache:
         storing = self._storing.get(lookup.key)
         if storing is not None and storing[1] > now:
             lookup.answer, lookup.status = storing[0], HIT_EXACT
+            await self._name_stored(lookup, storing[3])
             return
         if lookup.partition is None or lookup.query is None or self._embedder is None or self._verifier is None:
             return
@@ -310,9 +331,31 @@ class ResponseCache:
             match = None  # a long shared context: judged below by what differs, not by the whole turn
         if match is None:
             match = await self._match_by_differing_parts(lookup.partition, lookup.vector, lookup.query, now)
+        controls = lookup.controls
+        if match is not None and not self._verifier.accepts(lookup.query, match.probability, controls.min_probability,
+                                                            controls.max_false_hit_rate):
+            match = None  # the most probable match misses the request's own stricter bar: so do the rest
         if match is not None and await self._load(lookup, match.meta.id):
             lookup.status = HIT_SEMANTIC
-            lookup.similarity = match.similarity
+            lookup.similarity, lookup.probability = match.similarity, match.probability
+
+    async def _name_stored(self, lookup: Lookup, written: asyncio.Future[None]) -> None:
+        """A hit on an answer still being written: wait for its insert (at most STORING_WAIT_S) so
+        the hit names its entry (`x-kvgate-cache-id`) and counts as a read of it. An insert slower
+        than that still counts the read once it lands; only the id header is then missing."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(written), STORING_WAIT_S)
+        meta = self._directory.get(lookup.key)
+        if meta is not None:
+            lookup.entry_id = meta.id
+            self._hits[meta.id] += 1
+        else:
+            written.add_done_callback(lambda _: self._count_late_read(lookup.key))
+
+    def _count_late_read(self, key: ExactKey) -> None:
+        meta = self._directory.get(key)
+        if meta is not None:
+            self._hits[meta.id] += 1
 
     def _plausible(self, lookup: Lookup, now: float) -> list[EntryMeta]:
         """The cheap stage (`sketch.py`); empty when no stored question could pass the judge, and
@@ -391,28 +434,39 @@ class ResponseCache:
         `complete` overrides the chat-completion checks for answers of another shape (Anthropic
         messages, embeddings). Returns a future done once the answer is written (or dropped), for
         whoever must wait until it is readable."""
-        if lookup.answer is not None or not lookup.controls.write or completion is None:
+        if lookup.answer is not None:
+            return None
+        if not lookup.controls.write:
+            lookup.store_skipped = STORE_SKIP_NO_STORE
+            return None
+        if completion is None or "error" in completion:
+            lookup.store_skipped = STORE_SKIP_ERROR
             return None
         if complete is None:
             if not is_complete(completion, self.settings.store_length_limited):
+                lookup.store_skipped = _incomplete_reason(completion)
                 return None
             if not is_storable(completion):
                 self.num_store_rejected += 1
+                lookup.store_skipped = STORE_SKIP_INVALID
                 log.warning("response cache: an upstream answer failed the wire schema; not stored")
                 return None
         elif not complete:
+            lookup.store_skipped = STORE_SKIP_INCOMPLETE
             return None
         raw = orjson.dumps(completion)
         if len(raw) > self.settings.max_answer_bytes:
+            lookup.store_skipped = STORE_SKIP_TOO_LARGE
             return None
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         try:
             self._store_queue.put_nowait((lookup, completion, raw, written))
         except asyncio.QueueFull:
             self.num_store_dropped += 1
+            lookup.store_skipped = STORE_SKIP_BUSY
             written.set_result(None)
             return written
-        self._storing[lookup.key] = (completion, time.time() + self._ttl_s(lookup), lookup)
+        self._storing[lookup.key] = (completion, time.time() + self._ttl_s(lookup), lookup, written)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_forever(), name="response-cache-writer")
         return written
@@ -490,12 +544,15 @@ class ResponseCache:
 
     async def delete(self, *, entry_id: int | None = None, key: str | None = None) -> int:
         """Delete one entry by id, or every live entry of a key (its public name, `public_key`),
-        here and in SQL. Other replicas drop it from memory when they next fail to load it (an
-        answer they hold in their LRU may be served until it is evicted or purged)."""
+        here and in SQL. Each delete is recorded beside the purges, so the other replicas drop it
+        from memory (answer LRU included) at their next feed read, as they do a purge."""
         ids = [entry_id] if entry_id is not None else \
             [m.id for m in self._directory.by_id.values() if public_key(m.exact_key) == key]
-        deleted = await self._store.delete(ids=ids)
+        purge_id, deleted = await self._store.delete(ids=ids)
         self._remove(ids)
+        if ids:
+            self._feed.mark_purge_seen(purge_id)
+            await self._feed.announce()
         return deleted
 
     async def purge(self, scope: PurgeFilter) -> int:
@@ -504,6 +561,16 @@ class ResponseCache:
         self._forget(scope)
         await self._feed.announce()
         return deleted
+
+
+def _incomplete_reason(completion: dict[str, Any]) -> str:
+    """Why an answer that is not complete (`replay.is_complete`) was not stored."""
+    reasons = {c.get("finish_reason") for c in completion.get("choices") or [] if isinstance(c, dict)}
+    if "content_filter" in reasons:
+        return STORE_SKIP_CONTENT_FILTER
+    if "length" in reasons:
+        return STORE_SKIP_LENGTH
+    return STORE_SKIP_INCOMPLETE
 
 
 async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) -> ResponseCache | None:

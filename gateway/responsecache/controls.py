@@ -7,10 +7,14 @@
     x-kvgate-semantic: off         exact cache only
     x-kvgate-cache-mode: MODE      refresh (= write-only: read no cache, store the new answer),
                                    read-only (= no-store), off (neither), default (both)
+    x-kvgate-semantic-threshold: P     a semantic hit needs the judge's probability >= P
+    x-kvgate-semantic-error-bound: R   ... and >= the threshold calibrated for false-hit rate R
+                                   (both only ever stricter than the deployment's setting: Bifrost's rule)
 
 The body form is for clients that cannot set headers:
 `{"kvgate": {"cache": {"no_cache": true, "no_store": true, "namespace": "NS", "ttl": 60,
-"semantic": false, "mode": "refresh"}}}`. It is removed from the body, so the upstream never sees it. A header wins
+"semantic": false, "mode": "refresh", "threshold": 0.9, "error_bound": 0.01}}}`. It is removed from
+the body, so the upstream never sees it. A header wins
 over the body when both are given. The one other key, `fuse` (marks the request's content parts as
 chunks for the built-in engine's KV fusion), is left in the body as `{"kvgate": {"fuse": ...}}`
 for the engine; HTTP upstreams other than kvgate engines never receive it.
@@ -40,6 +44,8 @@ class CacheControls:
     semantic: bool = True
     namespace: str = DEFAULT_NAMESPACE
     ttl_s: float | None = None
+    min_probability: float | None = None
+    max_false_hit_rate: float | None = None
 
 
 def _flag(value: object, param: str) -> bool:
@@ -72,6 +78,16 @@ def _ttl(value: object, param: str) -> float:
     return ttl
 
 
+def _unit(value: object, param: str) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not 0.0 <= number <= 1.0:
+        raise InvalidField(f"{param}: expected a number from 0 to 1", param=param)
+    return number
+
+
 def read_controls(headers: Mapping[str, str], body: dict[str, Any]) -> CacheControls:
     """Parse the controls, and pop the `kvgate` object from `body`."""
     extension = body.pop("kvgate", None)
@@ -84,7 +100,8 @@ def read_controls(headers: Mapping[str, str], body: dict[str, Any]) -> CacheCont
         cache = extension.get("cache", {})
         if not isinstance(cache, dict):
             raise InvalidField("kvgate.cache: expected an object", param="kvgate.cache")
-        unknown = set(cache) - {"no_cache", "no_store", "namespace", "ttl", "semantic", "mode"}
+        unknown = set(cache) - {"no_cache", "no_store", "namespace", "ttl", "semantic", "mode", "threshold",
+                                "error_bound"}
         if unknown:
             raise InvalidField(f"kvgate.cache: unknown option {sorted(unknown)[0]!r}", param="kvgate.cache")
         options = cache
@@ -96,6 +113,8 @@ def read_controls(headers: Mapping[str, str], body: dict[str, Any]) -> CacheCont
     semantic = _flag(options.get("semantic", True), "kvgate.cache.semantic")
     namespace = _namespace(options.get("namespace", DEFAULT_NAMESPACE), "kvgate.cache.namespace")
     ttl = _ttl(options["ttl"], "kvgate.cache.ttl") if "ttl" in options else None
+    threshold = _unit(options["threshold"], "kvgate.cache.threshold") if "threshold" in options else None
+    bound = _unit(options["error_bound"], "kvgate.cache.error_bound") if "error_bound" in options else None
 
     directives = {d.strip().lower() for d in headers.get("cache-control", "").split(",") if d.strip()}
     if "no-cache" in directives:
@@ -108,4 +127,9 @@ def read_controls(headers: Mapping[str, str], body: dict[str, Any]) -> CacheCont
         namespace = _namespace(value.strip(), "x-kvgate-cache-namespace")
     if (value := headers.get("x-kvgate-cache-ttl")) is not None:
         ttl = _ttl(value.strip(), "x-kvgate-cache-ttl")
-    return CacheControls(read=read, write=write, semantic=semantic, namespace=namespace, ttl_s=ttl)
+    if (value := headers.get("x-kvgate-semantic-threshold")) is not None:
+        threshold = _unit(value.strip(), "x-kvgate-semantic-threshold")
+    if (value := headers.get("x-kvgate-semantic-error-bound")) is not None:
+        bound = _unit(value.strip(), "x-kvgate-semantic-error-bound")
+    return CacheControls(read=read, write=write, semantic=semantic, namespace=namespace, ttl_s=ttl,
+                         min_probability=threshold, max_false_hit_rate=bound)

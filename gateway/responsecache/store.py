@@ -1,7 +1,8 @@
 """SQL side of the response cache: the source of truth every replica reads and writes.
 
 Entries are only ever inserted or deleted, never updated (except the hit counter and an embedding
-computed after the insert), so a replica can follow the table by id. Purges are rows of their own for the same reason.
+computed after the insert), so a replica can follow the table by id. Purges, and deletes of single
+entries, are rows of their own for the same reason.
 """
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ class EntryMeta:
 
 @dataclass(slots=True, frozen=True)
 class PurgeFilter:
-    """None matches every value."""
+    """None matches every value; `entry_id` (a delete) matches that one entry only."""
 
     tenant: str | None = None
     namespace: str | None = None
     model: str | None = None
+    entry_id: int | None = None
 
     def matches(self, meta: EntryMeta) -> bool:
+        if self.entry_id is not None:
+            return meta.id == self.entry_id
         return ((self.tenant is None or meta.tenant == self.tenant)
                 and (self.namespace is None or meta.namespace == self.namespace)
                 and (self.model is None or meta.model == self.model))
@@ -155,13 +159,17 @@ class EntryStore:
                                            .where(ResponseCacheEntry.expires_at <= datetime.now(UTC)))
             return int(result.rowcount or 0)
 
-    async def delete(self, *, ids: list[int]) -> int:
-        """Delete entries by id; returns how many rows went."""
+    async def delete(self, *, ids: list[int]) -> tuple[int, int]:
+        """Delete entries by id and record each delete for the other replicas; returns (the last
+        purge id recorded, 0 when none, entries deleted)."""
         if not ids:
-            return 0
+            return 0, 0
         async with self._sessions() as session, session.begin():
             result = await session.execute(delete(ResponseCacheEntry).where(ResponseCacheEntry.id.in_(ids)))
-            return int(result.rowcount or 0)
+            recorded = await session.execute(
+                insert(ResponseCachePurge).returning(ResponseCachePurge.id, sort_by_parameter_order=True),
+                [{"entry_id": entry_id, "created_at": datetime.now(UTC)} for entry_id in ids])
+            return max(int(i) for i in recorded.scalars()), int(result.rowcount or 0)
 
     async def count_never_read(self) -> int:
         """Live entries no request has been served from yet (hits are flushed every few seconds)."""
@@ -189,9 +197,10 @@ class EntryStore:
         async with self._sessions() as session:
             rows = (await session.execute(
                 select(ResponseCachePurge.id, ResponseCachePurge.tenant, ResponseCachePurge.namespace,
-                       ResponseCachePurge.model).where(ResponseCachePurge.id > above).order_by(ResponseCachePurge.id)
+                       ResponseCachePurge.model, ResponseCachePurge.entry_id)
+                .where(ResponseCachePurge.id > above).order_by(ResponseCachePurge.id)
             )).all()
-        return [(row[0], PurgeFilter(row[1], row[2], row[3])) for row in rows]
+        return [(row[0], PurgeFilter(row[1], row[2], row[3], row[4])) for row in rows]
 
     async def max_purge_id(self) -> int:
         async with self._sessions() as session:

@@ -38,7 +38,7 @@ class _Message(_Open):
 class _Choice(_Open):
     index: StrictInt = Field(default=0, ge=0)
     message: _Message
-    finish_reason: Literal["stop", "tool_calls", "length"]
+    finish_reason: Literal["stop", "tool_calls", "length"]  # length: `is_complete` decides (setting)
 
 
 class _PromptDetails(_Open):

@@ -149,6 +149,18 @@ class Verifier:
         """Whether `text` is in a language this verifier was calibrated on."""
         return language_of(text) in self.thresholds
 
+    def accepts(self, text: str, probability: float, min_probability: float | None,
+                max_false_hit_rate: float | None) -> bool:
+        """Whether a verdict's `probability` also meets a request's own, stricter bar: its minimum
+        probability and/or the threshold calibrated for its false-hit rate. Never looser than the
+        deployment's threshold, which `verify` has already applied."""
+        language = language_of(text)
+        if min_probability is not None and probability < min_probability:
+            return False
+        if max_false_hit_rate is not None and language is not None and language in self.curves:
+            return probability >= threshold_for(self.curves[language], max_false_hit_rate)
+        return True
+
     def probability(self, features: np.ndarray) -> float:
         z = self._trees.raw(features)
         return 1.0 / (1.0 + math.exp(-max(min(z, 40.0), -40.0)))

@@ -239,11 +239,15 @@ def error_event(status: int, message: str) -> bytes:
 
 class ChatToAnthropicStream:
     """Chat-completion chunks in, Anthropic SSE events out. Anthropic sends input usage first and
-    output usage last; a chat stream sends all of it last, so `message_start` carries zeros and
-    `message_delta` the full (cumulative, as the SDK expects) usage."""
+    output usage last; a chat stream sends all of it last, so `message_start` carries the caller's
+    count of the prompt (`input_tokens`, the gateway's tiktoken estimate, counted as read from cache
+    on a cache hit) and `message_delta` the upstream's full (cumulative, as the SDK expects) usage,
+    which replaces it."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, input_tokens: int = 0, cached: bool = False) -> None:
         self.model = model
+        self._start_usage = ({"input_tokens": 0, "cache_read_input_tokens": input_tokens, "output_tokens": 0}
+                             if cached else {"input_tokens": input_tokens, "output_tokens": 0})
         self._started = False
         self._block = -1
         self._kind: str | None = None
@@ -258,7 +262,7 @@ class ChatToAnthropicStream:
         self._started = True
         message: dict[str, Any] = {"id": new_message_id(), "type": "message", "role": "assistant", "content": [],
                    "model": chunk.get("model") or self.model, "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+                   "usage": dict(self._start_usage)}
         return [event("message_start", {"type": "message_start", "message": message}),
                 event("ping", {"type": "ping"})]
 

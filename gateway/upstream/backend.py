@@ -37,12 +37,15 @@ class Backend(Protocol):
         """The model objects this backend serves (`/v1/models` entries)."""
         ...
 
-    async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
+    async def post_json(self, path: str, body: JSONObject, *, salt: str = "",
+                        headers: dict[str, str] | None = None) -> UpstreamJSON:
         """POST and return a successful JSON answer; raise a GatewayError otherwise. `salt` keys
-        the tenant's KV blocks on backends that cache per tenant (the built-in engine)."""
+        the tenant's KV blocks on backends that cache per tenant (the built-in engine); `headers`
+        are the client's headers an HTTP upstream must see (`anthropic-beta`), ignored elsewhere."""
         ...
 
-    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamStream:
+    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "",
+                        headers: dict[str, str] | None = None) -> UpstreamStream:
         """POST and return once the answer's status is known to be a success."""
         ...
 

@@ -34,7 +34,8 @@ class EmbeddingBackend:
     async def list_models(self) -> list[JSONObject]:
         return [{"id": EMBEDDING_MODEL_ID, "object": "model", "created": self._created, "owned_by": "kvgate"}]
 
-    async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
+    async def post_json(self, path: str, body: JSONObject, *, salt: str = "",
+                        headers: dict[str, str] | None = None) -> UpstreamJSON:
         if path != "/embeddings":
             raise InvalidRequest(f"{EMBEDDING_MODEL_ID} is an embedding model: use /v1/embeddings", param="model")
         texts = _texts(body.get("input"))
@@ -53,7 +54,8 @@ class EmbeddingBackend:
                    "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
         return UpstreamJSON(200, payload, orjson.dumps(payload))
 
-    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamStream:
+    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "",
+                        headers: dict[str, str] | None = None) -> UpstreamStream:
         raise InvalidRequest(f"{EMBEDDING_MODEL_ID} is an embedding model: use /v1/embeddings", param="model")
 
     async def aclose(self) -> None:

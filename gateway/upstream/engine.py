@@ -145,7 +145,8 @@ class EngineBackend:
         return {"id": prefix + secrets.token_hex(12), "created": int(time.time()), "model": self.model_id,
                 "system_fingerprint": "kvgate-engine"}
 
-    async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
+    async def post_json(self, path: str, body: JSONObject, *, salt: str = "",
+                        headers: dict[str, str] | None = None) -> UpstreamJSON:
         with engine_boundary():
             gen = self._generation(path, body, salt)
             try:
@@ -164,7 +165,8 @@ class EngineBackend:
         raw = orjson.dumps(payload)
         return UpstreamJSON(200, payload, raw)
 
-    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "") -> EngineStream:
+    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "",
+                        headers: dict[str, str] | None = None) -> EngineStream:
         with engine_boundary():
             gen = self._generation(path, body, salt)
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -150,14 +150,16 @@ class HttpBackend:
             )
         return self._session
 
-    async def _post(self, path: str, body: JSONObject, salt: str) -> aiohttp.ClientResponse:
+    async def _post(self, path: str, body: JSONObject, salt: str,
+                    headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
         """POST and return once the answer's headers are in; retried once when a reused pooled
         connection was dropped before anything came back (see the module docstring)."""
         data = self._outgoing(body)
         for attempt in range(1 + STALE_RETRIES):
             marks: dict[str, bool] = {"reused": False}
             try:
-                return await self.session.post(self._base + path, data=data, headers=self._salt_header(salt),
+                extra = {**(headers or {}), **(self._salt_header(salt) or {})}
+                return await self.session.post(self._base + path, data=data, headers=extra or None,
                                                trace_request_ctx=marks)
             except aiohttp.ClientError as exc:
                 # Each retry may draw another stale connection from the pool; a fresh one is never retried.
@@ -201,9 +203,10 @@ class HttpBackend:
             raise UpstreamProtocolError(f"upstream {self.name!r} sent a body that is not JSON") from exc
         return parsed if isinstance(parsed, dict) else {}
 
-    async def post_json(self, path: str, body: JSONObject, *, salt: str = "") -> UpstreamJSON:
+    async def post_json(self, path: str, body: JSONObject, *, salt: str = "",
+                        headers: dict[str, str] | None = None) -> UpstreamJSON:
         with _mapped(self.name):
-            response = await self._post(path, body, salt)
+            response = await self._post(path, body, salt, headers)
             try:
                 raw = await response.read()
             finally:
@@ -218,9 +221,10 @@ class HttpBackend:
             raise UpstreamProtocolError(f"upstream {self.name!r} sent JSON that is not an object")
         return UpstreamJSON(response.status, parsed, raw)
 
-    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "") -> _HttpStream:
+    async def post_stream(self, path: str, body: JSONObject, *, salt: str = "",
+                        headers: dict[str, str] | None = None) -> _HttpStream:
         with _mapped(self.name):
-            response = await self._post(path, body, salt)
+            response = await self._post(path, body, salt, headers)
         if response.status >= 400:
             try:
                 with _mapped(self.name):

@@ -72,3 +72,9 @@ def render_prompt(body: dict[str, Any]) -> str:
     if isinstance(prompt, str):
         parts.append(prompt)
     return "\n".join(parts)
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """A chat request's prompt tokens as o200k counts them: an estimate, for where the upstream's
+    count comes too late (an Anthropic stream's `message_start`, translated from a chat stream)."""
+    return len(get_encoding().encode(render_prompt(body), disallowed_special=()))

@@ -184,3 +184,32 @@ def test_errors_are_in_anthropics_envelope(gw: Gateway) -> None:
         sdk(gw).messages.create(model="claude-fake", max_tokens=8, messages=[{"role": "user", "content": "x y z"}],
                                 extra_body={"fake_fault": "status:500"})
     assert upstream.value.body["error"]["message"] == "fake says 500"
+
+
+def test_translated_stream_reports_input_tokens_in_message_start(gw: Gateway) -> None:
+    """Anthropic sends the prompt's size first; a translated stream says it in `message_start`
+    (the gateway's count) before the upstream's figure replaces it in `message_delta`."""
+    question = "how many input tokens does this translated stream start with?"
+    starts = []
+    for _ in range(2):  # a miss, then a hit (counted as read from cache)
+        with sdk(gw).messages.stream(model="fake-model", max_tokens=64,
+                                     messages=[{"role": "user", "content": question}]) as s:
+            starts += [e.message.usage for e in s if e.type == "message_start"]
+            final = s.get_final_message()
+        assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 0
+    assert starts[0].input_tokens > 0
+    assert starts[1].input_tokens == 0 and (starts[1].cache_read_input_tokens or 0) > 0
+
+
+def test_anthropic_beta_reaches_a_native_upstream(gw: Gateway, fake_anthropic: str) -> None:
+    """The SDK's beta surface sends `anthropic-beta`; an Anthropic-style upstream must see it, and
+    an answer given under a beta is not served to the same request without it."""
+    question = [{"role": "user", "content": "which beta features are on?"}]
+    client = sdk(gw)
+    beta = client.beta.messages.with_raw_response.create(model="claude-fake", max_tokens=16, messages=question,
+                                                         betas=["context-1m-2025-08-07"])
+    assert beta.headers["x-kvgate-cache"] == "miss"
+    assert last_request(fake_anthropic)["headers"]["anthropic-beta"] == "context-1m-2025-08-07"
+    plain = client.messages.with_raw_response.create(model="claude-fake", max_tokens=16, messages=question)
+    assert plain.headers["x-kvgate-cache"] == "miss"
+    assert "anthropic-beta" not in last_request(fake_anthropic)["headers"]

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.canonical.diagnostics import SYSTEM_EDITED
 from gateway.observability.metrics import Metrics
-from tests.conftest import Gateway
+from tests.conftest import Gateway, start_gateway
 from tests.observability.conftest import ADMIN, ADMIN_KEY, MODEL, chat, flush_request_log
 
 CHROMIUM = "/usr/bin/chromium"
@@ -142,3 +142,20 @@ def test_dashboard_in_a_real_browser(obs_gateway: Gateway, chromium: object, rep
 
 def test_chromium_is_debians(chromium: object) -> None:
     assert shutil.which("chromium") == CHROMIUM
+
+
+@pytest.fixture(scope="module")
+def open_gateway(fake_upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    database_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('noauth-dash') / 'kvgate.db'}"
+    yield from start_gateway(fake_upstream, database_url, no_auth=True, admin_key=None)
+
+
+def test_dashboard_opens_without_a_key_under_no_auth(open_gateway: Gateway, chromium: object) -> None:
+    """`kvgate serve --no-auth`: the data API is open, so the page shows it with no sign-in form."""
+    page = chromium.new_page()  # type: ignore[attr-defined]
+    try:
+        page.goto(open_gateway.base_url + "/dashboard")
+        page.wait_for_selector("body[data-loaded=true]")
+        assert page.locator("#dashboard").is_visible() and page.locator("#login").is_hidden()
+    finally:
+        page.close()

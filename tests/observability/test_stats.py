@@ -13,8 +13,9 @@ import pytest
 from gateway.observability.settings import ObservabilitySettings
 from gateway.observability.summary import Row, parse_duration, percentile, summarize
 from gateway.usage.settings import Price
-from tests.conftest import Gateway
+from tests.conftest import Gateway, fresh_postgres_database
 from tests.observability.conftest import MODEL, chat, flush_request_log
+from tests.persistence.test_migrations import table_names
 
 
 def kvgate(repo_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -88,3 +89,20 @@ def test_durations_and_percentiles() -> None:
     assert percentile([], 50) is None
     assert percentile([5.0, 1.0, 3.0], 50) == 3.0
     assert percentile([float(i) for i in range(1, 101)], 95) == 95.0
+
+
+def test_stats_on_a_database_without_tables_says_so_and_creates_nothing(tmp_path: Path) -> None:
+    """Run from a directory with no kvgate.db (the default URL), and on an empty PostgreSQL
+    database: one line on stderr, a non-zero exit, no file or table left behind."""
+    elsewhere = subprocess.run([sys.executable, "-m", "gateway", "stats"], cwd=tmp_path, capture_output=True,
+                               text=True, timeout=120)
+    assert elsewhere.returncode == 1
+    assert len(elsewhere.stderr.strip().splitlines()) == 1 and "no database" in elsewhere.stderr
+    assert list(tmp_path.iterdir()) == []
+    with fresh_postgres_database() as url:
+        empty = subprocess.run([sys.executable, "-m", "gateway", "stats", "--database-url", url], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=120)
+        assert empty.returncode == 1
+        assert len(empty.stderr.strip().splitlines()) == 1 and "no kvgate tables" in empty.stderr
+        assert "SELECT" not in empty.stderr
+        assert table_names(url) == set()

@@ -4,13 +4,16 @@ fake upstreams), streams included, and a failure fails every waiter with the ups
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from openai import AsyncOpenAI
 
 from gateway.errors import UpstreamStatusError
+from gateway.pipeline.follow import follow_stream
 from gateway.pipeline.singleflight import SingleFlight
 from tests.api.conftest import count
 from tests.conftest import Gateway
@@ -107,3 +110,53 @@ async def test_flight_unit() -> None:
     with pytest.raises(UpstreamStatusError) as info:
         await flights.wait(other)
     assert info.value.status_code == 503 and info.value.message == "down"
+
+
+async def _follow_while_leader_waits(gw: Gateway, fake_upstream: str, tag: str) -> None:
+    sdk = AsyncOpenAI(base_url=gw.v1, api_key=gw.api_key, max_retries=0)
+    request: dict[str, Any] = {"model": "fake-model", "stream": True,
+                               "messages": [{"role": "user", "content": f"followers read live {tag}"}],
+                               "stream_options": {"include_usage": True},
+                               "extra_body": {"fake_fault": f"wait_signal:{tag}"}}
+    leader = await sdk.chat.completions.with_raw_response.create(**request)
+    leader_chunks = leader.parse().__aiter__()
+    assert (await leader_chunks.__anext__()).choices[0].delta.role == "assistant"
+    follower = await sdk.chat.completions.with_raw_response.create(**request)
+    assert follower.headers["x-kvgate-cache"] == "hit-inflight"
+    follower_chunks = follower.parse().__aiter__()
+    # The upstream holds the rest until released: the follower's first chunk can only be the
+    # leader's, read live (before: it waited for the leader's whole answer, which never came).
+    first = await asyncio.wait_for(follower_chunks.__anext__(), timeout=10)
+    assert first.choices[0].delta.role == "assistant"
+    async with httpx.AsyncClient() as client:
+        await client.post(f"{fake_upstream}/control/release/{tag}")
+    texts = []
+    for chunks in (leader_chunks, follower_chunks):
+        rest = [c async for c in chunks]
+        texts.append("".join(c.choices[0].delta.content or "" for c in rest if c.choices))
+        assert rest[-1].usage is not None and rest[-1].usage.prompt_tokens > 0
+    assert texts == [f"echo: followers read live {tag}"] * 2
+
+
+def test_a_stream_follower_reads_the_leaders_events_live(gw: Gateway, fake_upstream: str) -> None:
+    before = count(fake_upstream)
+    asyncio.run(_follow_while_leader_waits(gw, fake_upstream, "live-" + secrets.token_hex(4)))
+    assert count(fake_upstream) == before + 1
+
+
+async def test_a_leader_failing_mid_stream_ends_every_follower_with_its_error() -> None:
+    flights = SingleFlight()
+    leader, _ = flights.join("k")
+    late, _ = flights.join("k")
+    leader.chunks = [{"id": "c", "object": "chat.completion.chunk",
+                      "choices": [{"index": 0, "delta": {"content": "half"}, "finish_reason": None}]}]
+    ends: list[Any] = []
+    streams = [follow_stream(f, kind="inflight", include_usage=False, on_end=lambda u, e: ends.append(e))
+               for f in (leader, late)]
+    firsts = [await s.__anext__() for s in streams]
+    assert all(b'"half"' in first for first in firsts)
+    flights.fail(leader, UpstreamStatusError(502, {"error": {"message": "upstream broke"}}, "up"))
+    rests = [[e async for e in s] for s in streams]
+    for rest in rests:
+        assert len(rest) == 1 and orjson.loads(rest[0][6:])["error"]["message"] == "upstream broke"
+    assert [e.status_code for e in ends] == [502, 502]

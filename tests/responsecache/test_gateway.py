@@ -206,11 +206,22 @@ def test_answers_cut_at_the_token_limit_are_stored_and_served(gw: Gateway) -> No
 def test_length_limited_answers_are_not_stored_when_turned_off(fake_upstream: str,
                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('nolength') / 'kvgate.db'}"
-    with cache_gateway(fake_upstream, url, store_length_limited=False) as gateway:
+    with cache_gateway(fake_upstream, url, store_length_limited=False, max_answer_bytes=600) as gateway:
         client = Client(gateway)
-        client.chat("length: a story that is cut", extra_body={"fake_fault": "finish_length"})
+        cut = client.chat("length: a story that is cut", extra_body={"fake_fault": "finish_length"})
+        # A miss whose answer was not stored says why (non-streamed: known before the headers).
+        assert cut.headers["x-kvgate-store-skipped"] == "length"
+        no_store = client.chat("length: a story not to keep", headers={"cache-control": "no-store"})
+        assert no_store.headers["x-kvgate-store-skipped"] == "no-store"
+        streamed = client.chat("length: a streamed story not to keep", stream=True,
+                               headers={"cache-control": "no-store"})
+        assert streamed.headers["x-kvgate-store-skipped"] == "no-store"
+        large = client.chat("length: " + "a long question " * 40)
+        assert large.headers["x-kvgate-store-skipped"] == "too-large"
         time.sleep(0.3)
         assert client.entries() == 0
+        stored = client.chat("length: a short story that is kept")
+        assert stored.cache == "miss" and "x-kvgate-store-skipped" not in stored.headers
 
 
 @pytest.mark.parametrize("fault, streams", [("drop_mid_stream", (True,)),

@@ -60,3 +60,34 @@ def test_two_replicas_share_postgres(redis: bool, fake_upstream: str, embedding_
         assert purged.json()["deleted"] == 2
         eventually(lambda: on_a.entries() == 0, timeout_s=3.0)
         assert on_a.chat("replicas: which planet is closest to the sun?").cache == "miss"
+
+
+@pytest.mark.parametrize("redis", [True, False], ids=["redis-feed", "db-polling"])
+def test_delete_on_one_replica_reaches_the_other(redis: bool, fake_upstream: str, embedding_model: Any,
+                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    """An entry deleted through one replica's admin API (by id or by key) stops being served by
+    the other, even from the answer it holds in memory, within a second."""
+    feed: dict[str, Any] = {"poll_interval_s": 0.2}
+    if redis:
+        feed = {"redis_url": "redis://127.0.0.1:6379/0",
+                "redis_channel": f"kvgate:test:responsecache:{secrets.token_hex(6)}"}
+    with database("postgres", tmp_path_factory) as url, \
+            cache_gateway(fake_upstream, url, **feed) as a, cache_gateway(fake_upstream, url, **feed) as b:
+        on_a, on_b = Client(a), Client(b)
+        by_id, by_key = "deletes: what is the boiling point of water?", "deletes: who wrote Hamlet?"
+        on_a.miss_then_stored(by_id)
+        stored = on_a.miss_then_stored(by_key)
+        on_b.wait_entries(2, timeout_s=3.0)
+        served = on_b.chat(by_id)
+        assert served.cache == "hit-exact"  # B now holds the answer in memory
+        assert on_b.chat(by_key).cache == "hit-exact"
+
+        entry_id = int(served.headers["x-kvgate-cache-id"])
+        gone = httpx.delete(f"{a.base_url}/admin/response-cache/entries/{entry_id}", headers=ADMIN)
+        assert gone.json()["deleted"] == 1
+        key = stored.headers["x-kvgate-cache-key"]
+        gone = httpx.post(a.base_url + "/admin/response-cache/delete", json={"key": key}, headers=ADMIN)
+        assert gone.json()["deleted"] == 1
+        eventually(lambda: on_b.entries() == 0, timeout_s=1.0)
+        assert on_b.chat(by_id).cache == "miss"
+        assert on_b.chat(by_key).cache == "miss"

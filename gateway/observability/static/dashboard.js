@@ -210,11 +210,13 @@ function showLogin(message) {
 async function refresh() {
   if (timer) { clearTimeout(timer); timer = null; }
   const key = sessionStorage.getItem(KEY);
-  if (!key) { showLogin(); return; }
   try {
+    // Without a key, ask anyway: a gateway serving without keys (kvgate serve --no-auth) answers,
+    // and then there is nothing to sign in to; any other answers 401 and the form shows.
     const res = await fetch("/dashboard/api/summary?since=" + encodeURIComponent($("window").value), {
-      headers: { Authorization: "Bearer " + key }, cache: "no-store",
+      headers: key ? { Authorization: "Bearer " + key } : {}, cache: "no-store",
     });
+    if ((res.status === 401 || res.status === 403) && !key) { showLogin(); return; }
     if (res.status === 401 || res.status === 403) {
       sessionStorage.removeItem(KEY);
       let reason = res.status === 401 ? "That key was not accepted." : "That key is not an admin key.";
