@@ -204,15 +204,20 @@ def _cached(cache: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    from sklearn.ensemble import HistGradientBoostingClassifier
-
-    parser = argparse.ArgumentParser(prog="semantic_train", description=__doc__.split("\n")[0])
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data options shared with `bench.sketch_tune`: which pairs, and where embeddings are kept."""
     parser.add_argument("--qqp", type=Path, default=SHARED / "qqp" / "dev.jsonl.gz")
     parser.add_argument("--lcqmc", type=Path, default=SHARED / "lcqmc" / "dev.jsonl.gz")
     parser.add_argument("--qqp-limit", type=int, default=14000, help="seeded sample of QQP pairs (0 = all)")
     parser.add_argument("--embeddings-cache", type=Path, help="directory keeping embeddings (outside the repo)")
     parser.add_argument("--embedded-only", action="store_true", help="use only pairs already in the cache")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    parser = argparse.ArgumentParser(prog="semantic_train", description=__doc__.split("\n")[0])
+    add_source_arguments(parser)
     parser.add_argument("--out", type=Path, default=WEIGHTS_PATH)
     parser.add_argument("--valid-out", type=Path, help="directory for the validation pairs (JSON lines per source)")
     parser.add_argument("--trees", type=int, default=200)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from bench.semantic_eval import PARTITION, Duplicates, build_index, evaluate, without_exact_twins
-from bench.semantic_train import CACHE_SIZE, SHARED, caches, load_source, split
+from bench.semantic_train import CACHE_SIZE, add_source_arguments, caches, load_source, split
 from gateway.responsecache.language import language_of
 from gateway.responsecache.semantic import best_match
 from gateway.responsecache.settings import ResponseCacheSettings
@@ -76,11 +76,7 @@ def novel_pass_rates(stored: list[str], asked: list[str], sketcher: Sketcher,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sketch_tune", description=__doc__.split("\n")[0])
-    parser.add_argument("--qqp", type=Path, default=SHARED / "qqp" / "dev.jsonl.gz")
-    parser.add_argument("--lcqmc", type=Path, default=SHARED / "lcqmc" / "dev.jsonl.gz")
-    parser.add_argument("--qqp-limit", type=int, default=14000, help="seeded sample of QQP pairs (0 = all)")
-    parser.add_argument("--embeddings-cache", type=Path, help="directory keeping embeddings (outside the repo)")
-    parser.add_argument("--embedded-only", action="store_true", help="use only pairs already in the cache")
+    add_source_arguments(parser)
     parser.add_argument("--out", type=Path, default=FLOORS_PATH)
     parser.add_argument("--margin", type=float, default=MARGIN, help="taken off the floor")
     parser.add_argument("--keep", type=float, default=KEEP, help="share of training judge hits above the floor")
