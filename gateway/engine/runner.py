@@ -135,6 +135,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sequences
 
+    @torch.inference_mode()  # the pool's tensors are inference tensors (made in `step`): written in the same mode
     def start(self, gen: Generation, initial: InitialCache, started: float | None = None) -> Sequence:
         seq = Sequence(
             gen=gen, cache=initial.cache, num_cached=initial.num_tokens, restored_from=initial.restored_from,

@@ -439,7 +439,7 @@ class ResponseCache:
         if not lookup.controls.write:
             lookup.store_skipped = STORE_SKIP_NO_STORE
             return None
-        if completion is None or "error" in completion:
+        if completion is None or completion.get("error") is not None:  # a Responses object carries "error": null
             lookup.store_skipped = STORE_SKIP_ERROR
             return None
         if complete is None:
