@@ -98,7 +98,10 @@ def test_two_gateways_two_engines(tmp_path: Path, redis_prefix: str) -> None:
         assert stored.status_code == 200 and stored.headers["x-kvgate-cache"] == "miss"
         deadline = time.monotonic() + 10
         while True:
-            served = httpx.post(gateways[1] + "/v1/chat/completions", json=question, headers=auth, timeout=120)
+            # no-store: a miss while gateway 2 has not seen the entry yet must not store an answer of its own,
+            # which a later round would then serve instead of gateway 1's.
+            served = httpx.post(gateways[1] + "/v1/chat/completions", json=question,
+                                headers={**auth, "cache-control": "no-store"}, timeout=120)
             if served.headers.get("x-kvgate-cache") == "hit-exact" or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
