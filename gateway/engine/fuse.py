@@ -127,6 +127,13 @@ class Fuser:
             raise ValueError("KV fusion needs a Llama-style decoder (model.model.embed_tokens/rotary_emb/layers)")
         self._inner: Any = inner
 
+    def approximates(self, recompute_share: float | None) -> bool:
+        """Whether a request at this share is fused. At 1.0 fusion would recompute every token:
+        a plain prefill after a prefix restore is the same KV on the engine's own forward, without
+        chunk loads or a second pass (measured 2.7x a plain prefill through `fuse`); the runner
+        then only stores the chunks not yet cached, after the answer."""
+        return (self.recompute_share if recompute_share is None else recompute_share) < 1.0
+
     # ------------------------------------------------------------------ positions
 
     def _rotation(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,13 +262,27 @@ class Fuser:
 
     # ------------------------------------------------------------------ store
 
-    @torch.inference_mode()
+    def missing(self, prompt_ids: Sequence[int], spans: Sequence[ChunkSpan], salt: str) -> list[ChunkSpan]:
+        """The spans whose chunk KV is not (wholly) cached."""
+        out = []
+        for span in spans:
+            hashes = self.chunks.hashes(salt, prompt_ids[span.start : span.end])
+            if len(self.kv.lookup_hashes(hashes).block_hashes) < len(hashes):
+                out.append(span)
+        return out
+
     def store_missing(self, prompt_ids: Sequence[int], fused: FusedPrefix, salt: str) -> int:
         """Compute each chunk that was not cached on its own (positions from 0) and store it;
         returns the chunk tokens newly stored."""
+        return self.store_chunks(prompt_ids, fused.missing, salt)
+
+    @torch.inference_mode()
+    def store_chunks(self, prompt_ids: Sequence[int], spans: Sequence[ChunkSpan], salt: str) -> int:
+        """Compute each of `spans` on its own (positions from 0) and store it; returns the chunk
+        tokens newly stored."""
         stored = 0
         size = self.kv.keyer.block_size
-        for span in fused.missing:
+        for span in spans:
             ids = list(prompt_ids[span.start : span.end])
             cache = DynamicCache()
             self.loaded.model(input_ids=torch.tensor([ids], device=self.loaded.device), cache=cache, use_cache=True)

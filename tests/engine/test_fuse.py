@@ -78,9 +78,11 @@ def test_share_one_gives_the_full_prefill_answer_and_kv(
         fused = run(runner, ids, spans)
         assert fused.text == full_prefill(loaded_model, ids).text
         assert fused.fused_tokens == 0  # every reused token was recomputed
+    # The chunks were stored all the same, for requests at a lower share.
+    assert runner.fuser is not None
+    assert runner.fuser.fuse(ids, spans, "tenant-a", recompute_share=0.0).num_fused > 0
 
     # The fused cache itself equals a full prefill's, at every layer.
-    assert runner.fuser is not None
     prefix = runner.fuser.fuse(ids, spans, "tenant-a")
     cache = DynamicCache()
     with torch.inference_mode():
