@@ -135,6 +135,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sequences
 
+    @torch.inference_mode()  # the pool may hold inference tensors (grown inside a step)
     def start(self, gen: Generation, initial: InitialCache, started: float | None = None) -> Sequence:
         seq = Sequence(
             gen=gen, cache=initial.cache, num_cached=initial.num_tokens, restored_from=initial.restored_from,
@@ -248,8 +249,6 @@ class ModelRunner:
         while not seq.done and not gen.cancelled.is_set():
             self.step([seq])
         return self.finish(seq)
-
-    # ------------------------------------------------------------------ store
 
     def _store(self, seq: Sequence) -> int:
         """Store the new full blocks of prompt + answer; returns the prompt tokens newly cached."""
