@@ -1,19 +1,20 @@
-"""`kvgate bench fuse`: KV Fuse against a full prefill of the same prompt, per recompute share.
+"""`kvgate bench fuse`: KV Fuse against a full prefill of the same prompt, per (recompute share,
+context size).
 
-Quality: a generated RAG prompt set (`bench/rag_prompts.py`: fictional towns, one document each,
-4 documents of about 512 tokens per prompt, the answer in one of them). Every corpus document's
-chunk KV is stored first; then for each prompt and share the fused prompt is decoded greedily
-and compared with a full prefill of the same token ids: `answer_agreement` = share of prompts
-whose greedy answer (`--max-tokens` tokens) is identical, `next_token_kl` = mean
+Quality: retrieval-style prompts from SQuAD 2.0 dev (`bench/squad_rag.py`): the gold passage
+among distractors (5 passages at ~2k tokens of context, 8 at ~4k), shuffled. Every passage's chunk
+KV is stored first; then each prompt is decoded greedily (`--max-tokens`) from a full prefill and
+from the fused cache: `accuracy` / `full_prefill_accuracy` = share of prompts whose answer holds a
+gold answer, `answer_agreement` = share whose greedy answers are identical, `next_token_kl` = mean
 KL(full || fused) of the first answer token's distribution.
 
-Speed: documents A, B, C, D are sent once (their chunks get stored), then C, A, E, B; `ttft_s` is
-the second request's time to its first token's logits through the engine's runner (prefix
-lookup, chunk loads from the host tier, re-rotation, selective recompute, last token), E being
-new and computed in full. `ttft_cached_s` is a third request, B, D, A, C, whose chunks are all
-cached. `full_prefill_ttft_s` is a full prefill of the same prompt measured in the same run, right
-before each fused one; figures are medians of `--repeats`, and the ratios are what carry over to
-another machine.
+Speed: passages A, B, C, ... are sent once (their chunks get stored), then the same set reordered
+with one new passage; `ttft_s` is that request's time to its first token's logits through the
+engine's runner (prefix lookup, chunk loads from the host tier, re-rotation, selective recompute,
+last token), the new passage computed in full. `ttft_cached_s` is a third request, reordered again,
+every chunk cached. `full_prefill_ttft_s` is a full prefill of the same prompt measured in the same
+run, right before each fused one; figures are medians of `--repeats`, and the ratios are what
+carry over to another machine.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from bench.rag_prompts import RagPrompt, build_corpus, build_prompts, messages
+from bench.squad_rag import SquadPrompt, build_passages, build_prompts, correct, messages
 from gateway.engine.fuse import ChunkSpan, Fuser
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.prompt import chat_ids_with_chunks
@@ -40,7 +40,8 @@ from gateway.kvcache.factory import build_manager
 from gateway.kvcache.manager import KVCacheManager
 from gateway.kvcache.settings import KVCacheSettings
 
-SHARES = (0.0, 0.05, 0.15, 0.3, 1.0)
+ROWS = "default@2000,default@4000,1.0@2000"  # recompute share @ context tokens
+SIZES = {2000: (5, 1400), 4000: (8, 2000)}  # context tokens -> passages per prompt, characters a passage
 SALT = "bench-tenant"
 
 
@@ -68,31 +69,41 @@ def _greedy(loaded: LoadedModel, cache: Cache, ids: Sequence[int], start: int,
     return out, first
 
 
-def _prompt(loaded: LoadedModel, corpus: Any, prompt: RagPrompt) -> tuple[list[int], list[ChunkSpan]]:
-    return chat_ids_with_chunks(loaded.tokenizer, messages(corpus, prompt))
+def _ids(loaded: LoadedModel, texts: list[str], passages: Sequence[int],
+         question: str = "What is this about?") -> tuple[list[int], list[ChunkSpan]]:
+    return chat_ids_with_chunks(loaded.tokenizer, messages(texts, SquadPrompt(tuple(passages), question, ())))
 
 
-def quality(loaded: LoadedModel, num_prompts: int, max_tokens: int, shares: Sequence[float],
+def quality(loaded: LoadedModel, context_tokens: int, num_prompts: int, max_tokens: int, shares: Sequence[float],
             check_layer: int) -> dict[float, dict[str, float]]:
-    corpus = build_corpus(8)
-    prompts = build_prompts(corpus, num_prompts)
+    passages_per_prompt, chars = SIZES[context_tokens]
+    texts, questions = build_passages(chars)
+    prompts = build_prompts(questions, num_prompts, passages_per_prompt)
     kv = _manager(loaded)
-    fuser = Fuser(loaded, kv, recompute_share=0.15, check_layer=check_layer)
-    for doc in range(len(corpus)):  # store every document's chunk KV once
-        ids, spans = _prompt(loaded, corpus, RagPrompt((doc,), doc, "-"))
+    fuser = Fuser(loaded, kv, recompute_share=0.15, check_layer=check_layer,
+                  sink_tokens=EngineSettings().fuse_sink_tokens)
+    for passage in sorted({p for prompt in prompts for p in prompt.passages}):  # store each chunk's KV once
+        ids, spans = _ids(loaded, texts, [passage])
         fuser.store_missing(ids, fuser.fuse(ids, spans, SALT, recompute_share=1.0), SALT)
     same: dict[float, int] = dict.fromkeys(shares, 0)
+    right: dict[float, int] = dict.fromkeys(shares, 0)
     kls: dict[float, list[float]] = {s: [] for s in shares}
+    full_right, sizes = 0, []
     for prompt in prompts:
-        ids, spans = _prompt(loaded, corpus, prompt)
+        ids, spans = chat_ids_with_chunks(loaded.tokenizer, messages(texts, prompt))
+        sizes.append(len(ids))
         full, full_logp = _greedy(loaded, DynamicCache(), ids, 0, max_tokens)
+        full_right += correct(loaded.tokenizer.decode(full), prompt.answers)
         for share in shares:
             fused = fuser.fuse(ids, spans, SALT, recompute_share=share)
             answer, logp = _greedy(loaded, fused.cache, ids, fused.num_tokens, max_tokens)
             same[share] += answer == full
+            right[share] += correct(loaded.tokenizer.decode(answer), prompt.answers)
             kls[share].append(float(torch.sum(full_logp.exp() * (full_logp - logp))))
     kv.close()
-    return {s: {"answer_agreement": same[s] / len(prompts), "next_token_kl": statistics.mean(kls[s])}
+    n = len(prompts)
+    return {s: {"answer_agreement": same[s] / n, "next_token_kl": statistics.mean(kls[s]), "accuracy": right[s] / n,
+                "full_prefill_accuracy": full_right / n, "prompt_tokens_mean": statistics.mean(sizes)}
             for s in shares}
 
 
@@ -101,22 +112,25 @@ def _ttft(runner: ModelRunner, ids: list[int], spans: list[ChunkSpan], share: fl
     return result.prefill_s
 
 
-def speed(loaded: LoadedModel, share: float, repeats: int, check_layer: int) -> dict[str, float]:
-    corpus = build_corpus(8)
-    first, second, third = (RagPrompt(order, order[0], "Which town exports copper?")
-                            for order in ((0, 1, 2, 3), (2, 0, 4, 1), (1, 3, 0, 2)))
+def speed(loaded: LoadedModel, context_tokens: int, share: float, repeats: int, check_layer: int) -> dict[str, float]:
+    k, chars = SIZES[context_tokens]
+    texts, _ = build_passages(chars)
+    first = list(range(k))
+    second = [*first[1:], k][::-1]  # reordered, one new passage
+    third = second[k // 2 :] + second[: k // 2]
     plain = ModelRunner(loaded, None, layerwise_min_tokens=1 << 30)
     runs: dict[str, list[float]] = {"ttft_s": [], "full_prefill_ttft_s": [], "ttft_cached_s": [],
                                     "full_prefill_cached_s": []}
     for _ in range(repeats):
-        kv = _manager(loaded)  # a fresh cache each round: E is new in every round's second request
+        kv = _manager(loaded)  # a fresh cache each round: the new passage is new in every round
         runner = ModelRunner(loaded, kv, layerwise_min_tokens=1 << 30,
-                             fuser=Fuser(loaded, kv, recompute_share=share, check_layer=check_layer))
-        _ttft(runner, *_prompt(loaded, corpus, first), share)
-        ids, spans = _prompt(loaded, corpus, second)
+                             fuser=Fuser(loaded, kv, recompute_share=share, check_layer=check_layer,
+                                         sink_tokens=EngineSettings().fuse_sink_tokens))
+        _ttft(runner, *_ids(loaded, texts, first), share)
+        ids, spans = _ids(loaded, texts, second)
         runs["full_prefill_ttft_s"].append(_ttft(plain, ids, [], None))
         runs["ttft_s"].append(_ttft(runner, ids, spans, share))
-        ids, spans = _prompt(loaded, corpus, third)
+        ids, spans = _ids(loaded, texts, third)
         runs["full_prefill_cached_s"].append(_ttft(plain, ids, [], None))
         runs["ttft_cached_s"].append(_ttft(runner, ids, spans, share))
         runner.close()
@@ -128,10 +142,11 @@ def speed(loaded: LoadedModel, share: float, repeats: int, check_layer: int) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvgate bench fuse", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print rows as JSON")
-    parser.add_argument("--prompts", type=int, default=10, help="RAG prompts in the quality set")
-    parser.add_argument("--max-tokens", type=int, default=8, help="greedy answer tokens compared")
+    parser.add_argument("--prompts", type=int, default=50, help="SQuAD prompts per context size")
+    parser.add_argument("--max-tokens", type=int, default=16, help="greedy answer tokens")
     parser.add_argument("--repeats", type=int, default=1, help="TTFT rounds (median)")
-    parser.add_argument("--shares", default=",".join(map(str, SHARES)), help="recompute shares, comma-separated")
+    parser.add_argument("--rows", default=ROWS, help="SHARE@CONTEXT_TOKENS, comma-separated (share 'default' = "
+                        f"the engine's; context one of {sorted(SIZES)})")
     parser.add_argument("--check-layer", type=int, default=EngineSettings().fuse_check_layer)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
@@ -139,36 +154,37 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     settings = EngineSettings()
     loaded = load_model(settings.model, settings.model_cache_dir, settings.device, settings.dtype)
-    shares = [float(s) for s in args.shares.split(",")]
+    wanted: list[tuple[float, int]] = []
+    for item in args.rows.split(","):
+        share, _, size = item.partition("@")
+        wanted.append((settings.fuse_recompute_share if share == "default" else float(share), int(size)))
     ModelRunner(loaded, None, layerwise_min_tokens=1 << 30).measure_recompute_s_per_token()  # warm up
     started = time.perf_counter()
-    scores = quality(loaded, args.prompts, args.max_tokens, shares, args.check_layer)
-    corpus = build_corpus(8)
-    tokens_per_chunk = statistics.mean(
-        len(loaded.tokenizer(d.text, add_special_tokens=False)["input_ids"]) for d in corpus[:5]  # type: ignore[operator]
-    )
     rows = []
-    for share in shares:
-        timing = speed(loaded, share, args.repeats, args.check_layer)
-        rows.append({
-            "recompute_share": share, **timing,
-            "ttft_ratio": timing["ttft_s"] / timing["full_prefill_ttft_s"],
-            "ttft_cached_ratio": timing["ttft_cached_s"] / timing["full_prefill_cached_s"],
-            **scores[share], "chunks": 4, "tokens_per_chunk": round(tokens_per_chunk),
-            "prompts": args.prompts,
-        })
+    for size in dict.fromkeys(s for _, s in wanted):
+        shares = [sh for sh, s in wanted if s == size]
+        scores = quality(loaded, size, args.prompts, args.max_tokens, shares, args.check_layer)
+        for share in shares:
+            timing = speed(loaded, size, share, args.repeats, args.check_layer)
+            rows.append({
+                "recompute_share": share, "context_tokens": round(scores[share].pop("prompt_tokens_mean")),
+                "prompts": args.prompts, **timing,
+                "ttft_ratio": timing["ttft_s"] / timing["full_prefill_ttft_s"],
+                "ttft_cached_ratio": timing["ttft_cached_s"] / timing["full_prefill_cached_s"],
+                **scores[share], "sink_tokens": settings.fuse_sink_tokens,
+            })
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"KV Fuse vs full prefill: {args.prompts} RAG prompts x 4 chunks, {loaded.model_id} on {loaded.device}, "
+    print(f"KV Fuse vs full prefill: {args.prompts} SQuAD prompts per size, {loaded.model_id} on {loaded.device}, "
           f"{time.perf_counter() - started:.0f} s")
-    print("| recompute share | TTFT C,A,E,B (s) | full prefill (s) | ratio | TTFT all cached (s) | full prefill (s) "
-          "| ratio | answer agreement | next-token KL |")
+    print("| recompute share | context tokens | TTFT, one new chunk | ratio | TTFT, all cached | ratio "
+          "| accuracy (full prefill) | answer agreement | next-token KL |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['recompute_share']:.2f} | {r['ttft_s']:.3f} | {r['full_prefill_ttft_s']:.3f} | "
-              f"{r['ttft_ratio']:.2f}x | {r['ttft_cached_s']:.3f} | {r['full_prefill_cached_s']:.3f} | "
-              f"{r['ttft_cached_ratio']:.2f}x | {r['answer_agreement']:.2f} | {r['next_token_kl']:.4f} |")
+        print(f"| {r['recompute_share']:.2f} | {r['context_tokens']} | {r['ttft_s']:.3f} s | {r['ttft_ratio']:.2f}x | "
+              f"{r['ttft_cached_s']:.3f} s | {r['ttft_cached_ratio']:.2f}x | {r['accuracy']:.2f} "
+              f"({r['full_prefill_accuracy']:.2f}) | {r['answer_agreement']:.2f} | {r['next_token_kl']:.4f} |")
     return 0
 
 

@@ -123,7 +123,7 @@ class ModelRunner:
         prefix. At least the last prompt token is always recomputed: its logits start the answer."""
         if gen.initial is not None:
             return gen.initial
-        if gen.chunks and self.fuser is not None:
+        if gen.chunks and self.fuser is not None and self.fuser.approximates(gen.recompute_share):
             # The fusion seam: marked chunks are reused at their new positions (engine/fuse.py).
             fused = self.fuser.fuse(gen.prompt_ids, gen.chunks, gen.salt, gen.recompute_share)
             return InitialCache(fused.cache, fused.num_tokens, fused.tiers, fused)
@@ -135,7 +135,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sequences
 
-    @torch.inference_mode()  # the pool's tensors are inference tensors (made in `step`): written in the same mode
+    @torch.inference_mode()  # the pool may hold inference tensors (grown inside a step)
     def start(self, gen: Generation, initial: InitialCache, started: float | None = None) -> Sequence:
         seq = Sequence(
             gen=gen, cache=initial.cache, num_cached=initial.num_tokens, restored_from=initial.restored_from,
@@ -175,8 +175,7 @@ class ModelRunner:
             feeds.append(seq.pending[:n])
         if not chosen:
             return
-        if self.lean is not None and self.pool is not None:
-            pool = self.pool
+        if self.lean is not None and (pool := self.pool) is not None:
             plan = [Feed(s.slot, pool.lengths[s.slot], f, s.install)  # type: ignore[index, arg-type]
                     for s, f in zip(chosen, feeds, strict=True)]
             logits = self.lean.forward(pool, plan)
@@ -226,6 +225,8 @@ class ModelRunner:
                 creation = self._store(seq)
             finally:
                 self.release(seq)
+            if gen.chunks and (fuser := self.fuser) is not None and not gen.cancelled.is_set():  # share 1.0
+                fuser.store_chunks(gen.prompt_ids, fuser.missing(gen.prompt_ids, gen.chunks, gen.salt), gen.salt)
         else:
             self.release(seq)
             # Fused KV is approximate: it is never stored under prefix hashes. The chunks seen for
@@ -248,8 +249,6 @@ class ModelRunner:
         while not seq.done and not gen.cancelled.is_set():
             self.step([seq])
         return self.finish(seq)
-
-    # ------------------------------------------------------------------ store
 
     def _store(self, seq: Sequence) -> int:
         """Store the new full blocks of prompt + answer; returns the prompt tokens newly cached."""

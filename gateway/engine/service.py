@@ -55,7 +55,7 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
     fuser = None
     if kv is not None and settings.fuse_enabled:
         fuser = Fuser(loaded, kv, recompute_share=settings.fuse_recompute_share,
-                      check_layer=settings.fuse_check_layer)
+                      check_layer=settings.fuse_check_layer, sink_tokens=settings.fuse_sink_tokens)
     runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens, writer=writer,
                          read_wait_s=kv_settings.write_behind_read_wait_s, fuser=fuser)
     recompute_s = runner.measure_recompute_s_per_token()

@@ -49,6 +49,9 @@ class EngineSettings(BaseModel):
     fuse_recompute_share: float = Field(
         default=0.15, ge=0, le=1, description="Share of reused chunk tokens recomputed (largest KV deviation)."
     )
+    fuse_sink_tokens: int = Field(
+        default=16, ge=0, description="First tokens of each reused chunk always recomputed (its attention sink)."
+    )
     fuse_check_layer: int = Field(
         default=1, ge=0, description="Layer whose V deviation picks the tokens to recompute (all tokens up to it)."
     )

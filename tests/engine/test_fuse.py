@@ -78,9 +78,11 @@ def test_share_one_gives_the_full_prefill_answer_and_kv(
         fused = run(runner, ids, spans)
         assert fused.text == full_prefill(loaded_model, ids).text
         assert fused.fused_tokens == 0  # every reused token was recomputed
+    # The chunks were stored all the same, for requests at a lower share.
+    assert runner.fuser is not None
+    assert runner.fuser.fuse(ids, spans, "tenant-a", recompute_share=0.0).num_fused > 0
 
     # The fused cache itself equals a full prefill's, at every layer.
-    assert runner.fuser is not None
     prefix = runner.fuser.fuse(ids, spans, "tenant-a")
     cache = DynamicCache()
     with torch.inference_mode():
@@ -117,3 +119,32 @@ def test_tenants_never_share_chunks_unless_configured(
     other = run(runner, ids, spans, salt="tenant-b")
     assert (other.fused_tokens > 0) is share_across_tenants
     assert run(runner, ids, spans, salt="tenant-a").fused_tokens > 0
+
+
+def test_each_chunk_start_is_recomputed_in_context(
+    loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
+) -> None:
+    """On its own a chunk's first tokens are an attention sink; fusion recomputes them, so their
+    KV is a full prefill's (exactly so through the last layer for the first chunk, whose context
+    before them is exact), and the rest of the chunk is still reused."""
+    runner = make_runner(fuse_share=0.0, host_capacity_bytes=1 << 30)
+    assert runner.fuser is not None
+    ids, spans = rag_ids(loaded_model, "ABC")
+    run(runner, ids, spans)
+    ids, spans = rag_ids(loaded_model, "CAB")
+    cache = DynamicCache()
+    with torch.inference_mode():
+        loaded_model.model(input_ids=torch.tensor([ids[:-1]]), cache=cache, use_cache=True)
+    last = len(cache.layers) - 1
+    full_v = cache.layers[last].values[0]  # type: ignore[attr-defined]
+
+    def start_deviation(sinks: int) -> tuple[float, int]:
+        fused = runner.fuser.fuse(ids, spans, "tenant-a", sink_tokens=sinks)  # type: ignore[union-attr]
+        v = fused.cache.layers[last].values[0]  # type: ignore[attr-defined]
+        start = spans[0].start
+        return float((v[:, start : start + 4] - full_v[:, start : start + 4]).abs().max()), fused.num_fused
+
+    without, fused_without = start_deviation(0)
+    with_sinks, fused_with = start_deviation(4)
+    assert without > 0.1 and with_sinks < 1e-3
+    assert fused_with == fused_without - 4 * len(spans)
