@@ -36,14 +36,19 @@ def test_restart_rebuilds_index_from_sql(kind: str, fake_upstream: str, embeddin
             assert client.chat("restart: " + PARAPHRASE).cache == "hit-semantic"
 
 
+def feed_settings(redis: bool) -> dict[str, Any]:
+    """How replicas follow each other: Redis pub/sub (it only rings the bell, with a slow safety poll,
+    so a change seen within a test's wait is the feed's) or polling the database."""
+    if redis:
+        return {"redis_url": "redis://127.0.0.1:6379/0",
+                "redis_channel": f"kvgate:test:responsecache:{secrets.token_hex(6)}"}
+    return {"poll_interval_s": 0.2}
+
+
 @pytest.mark.parametrize("redis", [True, False], ids=["redis-feed", "db-polling"])
 def test_two_replicas_share_postgres(redis: bool, fake_upstream: str, embedding_model: Any,
                                      tmp_path_factory: pytest.TempPathFactory) -> None:
-    feed: dict[str, Any] = {"poll_interval_s": 0.2}
-    if redis:
-        # Redis only rings the bell: a slow safety poll, so a hit within the test's wait is the feed's.
-        feed = {"redis_url": "redis://127.0.0.1:6379/0",
-                "redis_channel": f"kvgate:test:responsecache:{secrets.token_hex(6)}"}
+    feed = feed_settings(redis)
     with database("postgres", tmp_path_factory) as url, \
             cache_gateway(fake_upstream, url, **feed) as a, cache_gateway(fake_upstream, url, **feed) as b:
         on_a, on_b = Client(a), Client(b)
@@ -67,10 +72,7 @@ def test_delete_on_one_replica_reaches_the_other(redis: bool, fake_upstream: str
                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
     """An entry deleted through one replica's admin API (by id or by key) stops being served by
     the other, even from the answer it holds in memory, within a second."""
-    feed: dict[str, Any] = {"poll_interval_s": 0.2}
-    if redis:
-        feed = {"redis_url": "redis://127.0.0.1:6379/0",
-                "redis_channel": f"kvgate:test:responsecache:{secrets.token_hex(6)}"}
+    feed = feed_settings(redis)
     with database("postgres", tmp_path_factory) as url, \
             cache_gateway(fake_upstream, url, **feed) as a, cache_gateway(fake_upstream, url, **feed) as b:
         on_a, on_b = Client(a), Client(b)
