@@ -58,6 +58,9 @@ class Row:
         return self.cache in HITS
 
 
+MAX_WINDOW_S = 3650 * 86400
+
+
 def parse_duration(text: str) -> timedelta:
     """`90s`, `15m`, `1h`, `7d` (a bare number is seconds)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -70,6 +73,8 @@ def parse_duration(text: str) -> timedelta:
         raise ValueError(f"expected a duration such as 90s, 15m, 1h or 7d, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"the duration must be positive, got {text!r}")
+    if value * units[unit] > MAX_WINDOW_S:  # timedelta and `now - window` overflow long before 1e100
+        raise ValueError(f"the duration must be at most 3650d, got {text!r}")
     return timedelta(seconds=value * units[unit])
 
 
