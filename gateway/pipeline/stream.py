@@ -24,7 +24,7 @@ from gateway.pipeline.condense import annotate_usage, condense_headers
 from gateway.pipeline.record import request_row
 from gateway.pipeline.results import EventStream
 from gateway.pipeline.singleflight import Flight
-from gateway.responsecache.cache import Lookup
+from gateway.responsecache.lookup import Lookup
 from gateway.responsecache.replay import assemble_stream
 from gateway.upstream.backend import Backend, UpstreamStream
 from gateway.upstream.relay import StreamOutcome, relay_stream

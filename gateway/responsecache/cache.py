@@ -15,8 +15,9 @@ pool and lost thousands of answers). Only answers that validate against the wire
 queued (`validate.is_storable`).
 
 Longer than 300 lines on purpose: lookup, store, the writer queue, purge and the change feed's
-updates all read and write the same in-memory directory, answer LRU and FAISS index; the pieces
-with no shared state already live beside it (exact.py, semantic.py, store.py, replay.py, feed.py).
+updates all read and write the same in-memory directory, answer LRU and FAISS indexes; the pieces
+with no shared state already live beside it (lookup.py, exact.py, semantic.py, sketch.py, index.py,
+store.py, replay.py, feed.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,24 @@ from gateway.responsecache.keys import (
     public_key,
 )
 from gateway.responsecache.language import language_of
-from gateway.responsecache.replay import hit_usage, is_complete, replay_json, replay_sse
+from gateway.responsecache.lookup import (
+    SKIP_BUSY,
+    SKIP_LANGUAGE,
+    SKIP_SAMPLING,
+    SKIP_TOO_LONG,
+    SKIP_TRIVIAL,
+    STAGE_JUDGED,
+    STAGE_RULED_OUT,
+    STORE_SKIP_BUSY,
+    STORE_SKIP_ERROR,
+    STORE_SKIP_INCOMPLETE,
+    STORE_SKIP_INVALID,
+    STORE_SKIP_NO_STORE,
+    STORE_SKIP_TOO_LARGE,
+    Lookup,
+    incomplete_reason,
+)
+from gateway.responsecache.replay import is_complete, replay_json, replay_sse
 from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts, plausible
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.sketch import Sketcher
@@ -62,18 +79,6 @@ log = logging.getLogger(__name__)
 HIT_EXACT, HIT_SEMANTIC, HIT_INFLIGHT = CacheStatus.HIT_EXACT, CacheStatus.HIT_SEMANTIC, CacheStatus.HIT_INFLIGHT
 MISS, BYPASS = CacheStatus.MISS, CacheStatus.BYPASS
 KINDS = HIT_KINDS
-# Why a request that could have had a semantic lookup got the exact cache only (response header
-# `x-kvgate-semantic-skipped`); requests that opt out themselves (`x-kvgate-semantic: off`) get none.
-SKIP_SAMPLING, SKIP_TRIVIAL, SKIP_TOO_LONG, SKIP_LANGUAGE = "sampling", "trivial", "too-long", "language-not-validated"
-SKIP_BUSY = "busy"  # plausible, but the embeddings' CPU budget is spent (`embedder.CpuBudget`)
-# How a semantic-eligible miss ended (`x-kvgate-semantic-stage`): ruled out by the cheap stage (no
-# embedding computed), or embedded and judged.
-STAGE_RULED_OUT, STAGE_JUDGED = "ruled-out", "judged"
-# Why an answer was not stored (`x-kvgate-store-skipped`, on non-streamed misses; a stream's headers
-# leave before its end, so only `no-store` is known there).
-STORE_SKIP_NO_STORE, STORE_SKIP_ERROR, STORE_SKIP_INVALID = "no-store", "error", "invalid"
-STORE_SKIP_CONTENT_FILTER, STORE_SKIP_LENGTH, STORE_SKIP_INCOMPLETE = "content-filter", "length", "incomplete"
-STORE_SKIP_TOO_LARGE, STORE_SKIP_BUSY = "too-large", "store-queue-full"
 PROGRESS_MIN_ENTRIES = 10_000
 SWEEP_INTERVAL_S = 30.0
 STORE_BATCH = 128
@@ -83,54 +88,6 @@ STORING_WAIT_S = 1.0
 
 # An answer waiting for the writer: its lookup, the answer, its bytes, done once written or dropped.
 _Queued = tuple["Lookup", dict[str, Any], bytes, asyncio.Future[None]]
-
-
-@dataclass(slots=True)
-class Lookup:
-    """What the cache found for one request, and what it needs to store the answer afterwards."""
-
-    status: str
-    tenant: str
-    model: str
-    controls: CacheControls
-    key: ExactKey
-    partition: PartitionKey | None = None
-    query: str | None = None
-    vector: np.ndarray | None = None
-    sketch: np.ndarray | None = None
-    stage: str | None = None
-    answer: dict[str, Any] | None = None
-    entry_id: int | None = None
-    similarity: float | None = None
-    probability: float | None = None  # the judge's, on a semantic hit
-    semantic_skipped: str | None = None
-    # Why the answer to this miss was not stored (`x-kvgate-store-skipped`), once `store_later` knows.
-    store_skipped: str | None = None
-
-    @property
-    def hit_usage(self) -> dict[str, Any] | None:
-        return hit_usage(self.answer.get("usage")) if self.answer is not None else None
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """What happened, and the names of the entry: its id when one was served, its key always
-        (a miss's answer is stored under that key; DELETE it through the admin API by either)."""
-        headers = {"x-kvgate-cache": self.status, "x-kvgate-cache-key": public_key(self.key)}
-        if self.entry_id is not None:
-            headers["x-kvgate-cache-id"] = str(self.entry_id)
-        if self.similarity is not None:
-            headers["x-kvgate-similarity"] = f"{self.similarity:.4f}"
-        if self.probability is not None:
-            headers["x-kvgate-judge-probability"] = f"{self.probability:.4f}"
-        if self.semantic_skipped is not None:
-            headers["x-kvgate-semantic-skipped"] = self.semantic_skipped
-        if self.stage is not None and self.status == MISS:
-            headers["x-kvgate-semantic-stage"] = self.stage
-        skipped = self.store_skipped or (STORE_SKIP_NO_STORE if not self.controls.write and self.answer is None
-                                         else None)
-        if skipped is not None:
-            headers["x-kvgate-store-skipped"] = skipped
-        return headers
 
 
 class ResponseCache:
@@ -444,7 +401,7 @@ class ResponseCache:
             return None
         if complete is None:
             if not is_complete(completion, self.settings.store_length_limited):
-                lookup.store_skipped = _incomplete_reason(completion)
+                lookup.store_skipped = incomplete_reason(completion)
                 return None
             if not is_storable(completion):
                 self.num_store_rejected += 1
@@ -561,16 +518,6 @@ class ResponseCache:
         self._forget(scope)
         await self._feed.announce()
         return deleted
-
-
-def _incomplete_reason(completion: dict[str, Any]) -> str:
-    """Why an answer that is not complete (`replay.is_complete`) was not stored."""
-    reasons = {c.get("finish_reason") for c in completion.get("choices") or [] if isinstance(c, dict)}
-    if "content_filter" in reasons:
-        return STORE_SKIP_CONTENT_FILTER
-    if "length" in reasons:
-        return STORE_SKIP_LENGTH
-    return STORE_SKIP_INCOMPLETE
 
 
 async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) -> ResponseCache | None:
