@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,9 @@ def new_key(database_url: str, tenant: str) -> str:
         finally:
             await engine.dispose()
 
-    key = asyncio.run(run())
+    # On a thread of its own: Playwright's sync API (the dashboard tests) runs an event loop here.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        key = pool.submit(asyncio.run, run()).result()
     CREATED_KEYS.append(key)
     return key
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from alembic import command
 from alembic.config import Config
@@ -52,8 +53,18 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    """Run alembic upgrade; call from sync code (alembic's env runs its own event loop)."""
-    command.upgrade(alembic_config(url), revision)
+    """Run alembic upgrade from sync code.
+
+    Alembic's env runs its own event loop, so when this thread already runs one (a notebook,
+    Playwright's sync API) the upgrade runs on a thread of its own.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        command.upgrade(alembic_config(url), revision)
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(command.upgrade, alembic_config(url), revision).result()
 
 
 def downgrade(url: str, revision: str) -> None:
