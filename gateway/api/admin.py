@@ -41,7 +41,8 @@ async def purge(request: Request, services: ServicesDep, _: AdminDep) -> Respons
             raise InvalidRequest(f"{name}: at most {limit} printable characters", param=name, code="invalid_value")
     if not fields and body.get("all") is not True:
         raise InvalidField("give tenant, namespace and/or model, or {\"all\": true} to purge everything")
-    deleted = await cache.purge(PurgeFilter(**fields))
+    deleted = await cache.purge(PurgeFilter(tenant=fields.get("tenant"), namespace=fields.get("namespace"),
+                                            model=fields.get("model")))
     return json_response({"deleted": deleted, **fields})
 
 

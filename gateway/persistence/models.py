@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    false,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -92,12 +104,17 @@ class ResponseCacheEntry(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     hit_count: Mapped[int] = mapped_column(Integer, default=0)
+    # Clients' verdicts on hits of this entry (`POST /v1/kvgate/feedback`); one wrong report takes
+    # the entry out of semantic serving (responsecache/feedback.py).
+    wrong_reports: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    correct_reports: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class ResponseCachePurge(Base):
     """An admin purge or delete, kept so that every replica can drop the same entries from memory:
     replicas read new purges by id, the way they read new entries. A null column matches
-    everything; a row with `entry_id` names one deleted entry and matches nothing else."""
+    everything; a row with `entry_id` names one deleted entry and matches nothing else, or, with
+    `semantic_only`, one entry reported as a wrong hit: it stays, served by its exact key only."""
 
     __tablename__ = "response_cache_purges"
 
@@ -106,4 +123,5 @@ class ResponseCachePurge(Base):
     namespace: Mapped[str | None] = mapped_column(String(128))
     model: Mapped[str | None] = mapped_column(String(256))
     entry_id: Mapped[int | None] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), nullable=True)
+    semantic_only: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,6 +1,8 @@
 """The change feed: keeps each replica's memory (exact directory, FAISS index) in step with SQL.
 
-Every replica reads entries and purges it has not seen, by id. What triggers a read is a Redis
+Every replica reads entries and purges it has not seen, by id. A purge row that reports a wrong hit
+(`semantic_only`) deletes nothing: the reported entry is read again from SQL, its report count and
+embedding with it, and handed to `on_report`. What triggers a read is a Redis
 pub/sub message when `redis_url` is set (another replica just wrote; Redis is only the doorbell,
 SQL stays the source of truth, so a lost message costs nothing but latency), and a timer
 otherwise (`poll_interval_s`), or as a slow safety net with Redis.
@@ -30,10 +32,12 @@ class ChangeFeed:
         self, store: EntryStore, *, on_entries: Callable[[list[EntryMeta]], None],
         on_purge: Callable[[PurgeFilter], None], poll_interval_s: float, redis_url: str | None = None,
         channel: str = "kvgate:responsecache", on_tick: Callable[[], Awaitable[None]] | None = None,
+        on_report: Callable[[list[EntryMeta]], None] | None = None,
     ) -> None:
         self._store = store
         self._on_entries = on_entries
         self._on_purge = on_purge
+        self._on_report = on_report
         self._on_tick = on_tick
         self._interval_s = REDIS_SAFETY_POLL_S if redis_url else poll_interval_s
         self._redis_url = redis_url
@@ -106,7 +110,11 @@ class ChangeFeed:
 
     async def catch_up(self) -> None:
         for purge_id, scope in await self._store.purges_since(self._purge_high):
-            self._on_purge(scope)
+            if scope.semantic_only and scope.entry_id is not None:
+                if self._on_report is not None:
+                    self._on_report(await self._store.metas([scope.entry_id]))
+            else:
+                self._on_purge(scope)
             self._purge_high = purge_id
         ids = [i for i in await self._store.recent_ids(self._high - LOOK_BACK_IDS) if i not in self._seen]
         if ids:

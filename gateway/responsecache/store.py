@@ -1,8 +1,9 @@
 """SQL side of the response cache: the source of truth every replica reads and writes.
 
-Entries are only ever inserted or deleted, never updated (except the hit counter and an embedding
-computed after the insert), so a replica can follow the table by id. Purges, and deletes of single
-entries, are rows of their own for the same reason.
+Entries are only ever inserted or deleted, never updated (except the hit counter, an embedding
+computed after the insert, and the counts of clients' verdicts on its hits), so a replica can follow
+the table by id. Purges, deletes of single entries and wrong-hit reports are rows of their own for
+the same reason.
 """
 
 from __future__ import annotations
@@ -34,16 +35,21 @@ class EntryMeta:
     expires_at: float
     # The cheap stage's vector (`sketch.py`), computed in memory from `query`; never stored.
     sketch: np.ndarray | None = None
+    # Hits of it that clients reported wrong: more than 0 and it is served by its exact key only.
+    wrong_reports: int = 0
 
 
 @dataclass(slots=True, frozen=True)
 class PurgeFilter:
-    """None matches every value; `entry_id` (a delete) matches that one entry only."""
+    """None matches every value; `entry_id` (a delete) matches that one entry only. With
+    `semantic_only` (a wrong-hit report on `entry_id`) nothing is deleted: the change feed hands the
+    entry to `on_report` instead."""
 
     tenant: str | None = None
     namespace: str | None = None
     model: str | None = None
     entry_id: int | None = None
+    semantic_only: bool = False
 
     def matches(self, meta: EntryMeta) -> bool:
         if self.entry_id is not None:
@@ -56,8 +62,24 @@ class PurgeFilter:
 _META_COLUMNS = (
     ResponseCacheEntry.id, ResponseCacheEntry.tenant, ResponseCacheEntry.namespace, ResponseCacheEntry.model,
     ResponseCacheEntry.exact_key, ResponseCacheEntry.partition, ResponseCacheEntry.query,
-    ResponseCacheEntry.embedding, ResponseCacheEntry.expires_at,
+    ResponseCacheEntry.embedding, ResponseCacheEntry.expires_at, ResponseCacheEntry.wrong_reports,
 )
+
+
+@dataclass(slots=True, frozen=True)
+class ReportedEntry:
+    """An entry with hits reported wrong, as the admin listing shows it."""
+
+    id: int
+    tenant: str
+    namespace: str
+    model: str
+    query: str | None  # null for an entry only the exact cache serves
+    wrong_reports: int
+    correct_reports: int
+    hit_count: int
+    created_at: float
+    expires_at: float
 
 
 def _epoch(moment: datetime) -> float:
@@ -68,7 +90,8 @@ def _epoch(moment: datetime) -> float:
 def _meta(row: tuple) -> EntryMeta:
     vector = np.frombuffer(row[7], dtype=np.float32) if row[7] is not None else None
     return EntryMeta(row[0], row[1], row[2], row[3], ExactKey(row[4]),
-                     PartitionKey(row[5]) if row[5] else None, row[6], vector, _epoch(row[8]))
+                     PartitionKey(row[5]) if row[5] else None, row[6], vector, _epoch(row[8]),
+                     wrong_reports=int(row[9] or 0))
 
 
 def _values(meta: EntryMeta, answer: bytes) -> dict[str, object]:
@@ -80,6 +103,7 @@ def _values(meta: EntryMeta, answer: bytes) -> dict[str, object]:
         "embedding": meta.embedding.astype(np.float32).tobytes() if meta.embedding is not None else None,
         "answer": answer, "created_at": datetime.now(UTC),
         "expires_at": datetime.fromtimestamp(meta.expires_at, UTC), "hit_count": 0,
+        "wrong_reports": 0, "correct_reports": 0,
     }
 
 
@@ -171,6 +195,52 @@ class EntryStore:
                 [{"entry_id": entry_id, "created_at": datetime.now(UTC)} for entry_id in ids])
             return max(int(i) for i in recorded.scalars()), int(result.rowcount or 0)
 
+    async def confirm(self, entry_id: int) -> bool:
+        """Count a hit of the entry reported correct; False when there is no such entry."""
+        async with self._sessions() as session, session.begin():
+            result = await session.execute(update(ResponseCacheEntry).where(ResponseCacheEntry.id == entry_id)
+                                           .values(correct_reports=ResponseCacheEntry.correct_reports + 1))
+            return bool(result.rowcount)
+
+    async def report_wrong(self, entry_id: int, embedding: np.ndarray | None) -> int | None:
+        """Count a hit of the entry reported wrong and record the report for the other replicas
+        (a purge row with `semantic_only`), in one transaction; `embedding` (the entry's, when SQL
+        may lack it) is kept with it, so that every replica can place the entry's neighbourhood.
+        Returns the purge row's id, None when there is no such entry."""
+        values: dict[str, object] = {"wrong_reports": ResponseCacheEntry.wrong_reports + 1}
+        if embedding is not None:
+            values["embedding"] = embedding.astype(np.float32).tobytes()
+        async with self._sessions() as session, session.begin():
+            result = await session.execute(update(ResponseCacheEntry).where(ResponseCacheEntry.id == entry_id)
+                                           .values(**values))
+            if not result.rowcount:
+                return None
+            recorded = await session.execute(insert(ResponseCachePurge).values(
+                entry_id=entry_id, semantic_only=True, created_at=datetime.now(UTC)).returning(ResponseCachePurge.id))
+            return int(recorded.scalar_one())
+
+    async def reported_wrong(self, *, tenant: str | None = None, limit: int = 100) -> list[ReportedEntry]:
+        """Entries with hits reported wrong, the most reported first."""
+        t = ResponseCacheEntry
+        query = (select(t.id, t.tenant, t.namespace, t.model, t.query, t.wrong_reports, t.correct_reports,
+                        t.hit_count, t.created_at, t.expires_at)
+                 .where(t.wrong_reports > 0).order_by(t.wrong_reports.desc(), t.id.desc()).limit(limit))
+        if tenant is not None:
+            query = query.where(t.tenant == tenant)
+        async with self._sessions() as session:
+            rows = (await session.execute(query)).all()
+        return [ReportedEntry(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], _epoch(r[8]), _epoch(r[9]))
+                for r in rows]
+
+    async def feedback_counts(self) -> dict[str, int]:
+        """Verdicts recorded on entries still in SQL (they go with their entry)."""
+        t = ResponseCacheEntry
+        async with self._sessions() as session:
+            row = (await session.execute(select(
+                func.coalesce(func.sum(t.wrong_reports), 0), func.coalesce(func.sum(t.correct_reports), 0),
+                func.count().filter(t.wrong_reports > 0)))).one()
+        return {"wrong": int(row[0]), "correct": int(row[1]), "entries_reported_wrong": int(row[2])}
+
     async def count_never_read(self) -> int:
         """Live entries no request has been served from yet (hits are flushed every few seconds)."""
         async with self._sessions() as session:
@@ -197,10 +267,10 @@ class EntryStore:
         async with self._sessions() as session:
             rows = (await session.execute(
                 select(ResponseCachePurge.id, ResponseCachePurge.tenant, ResponseCachePurge.namespace,
-                       ResponseCachePurge.model, ResponseCachePurge.entry_id)
+                       ResponseCachePurge.model, ResponseCachePurge.entry_id, ResponseCachePurge.semantic_only)
                 .where(ResponseCachePurge.id > above).order_by(ResponseCachePurge.id)
             )).all()
-        return [(row[0], PurgeFilter(row[1], row[2], row[3], row[4])) for row in rows]
+        return [(row[0], PurgeFilter(row[1], row[2], row[3], row[4], bool(row[5]))) for row in rows]
 
     async def max_purge_id(self) -> int:
         async with self._sessions() as session:
