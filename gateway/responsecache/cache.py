@@ -4,6 +4,7 @@
     replay(lookup, ...)            -> bytes      a hit as a JSON body or SSE events (no HTTP)
     store_later(lookup, completion)              a complete answer, written off the request path
     purge(scope)                                 admin
+    report(tenant, entry_id, correct=...)        a client's verdict on a hit (feedback.py)
 
 Memory (exact directory, answer LRU, FAISS index) is rebuilt from SQL at start and kept current by
 the change feed; SQL is the source of truth shared by every replica.
@@ -17,7 +18,7 @@ queued (`validate.is_storable`).
 Longer than 300 lines on purpose: lookup, store, the writer queue, purge and the change feed's
 updates all read and write the same in-memory directory, answer LRU and FAISS indexes; the pieces
 with no shared state already live beside it (lookup.py, exact.py, semantic.py, sketch.py, index.py,
-store.py, replay.py, feed.py).
+store.py, replay.py, feed.py, feedback.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from gateway.responsecache.controls import CacheControls
 from gateway.responsecache.embedder import Embedder
 from gateway.responsecache.exact import AnswerLRU, Directory
 from gateway.responsecache.feed import ChangeFeed
+from gateway.responsecache.feedback import Reported
 from gateway.responsecache.index import Candidate, embeddings_index, sketches_index
 from gateway.responsecache.keys import (
     ExactKey,
@@ -71,7 +73,7 @@ from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, di
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.status import HIT_KINDS, CacheStatus
-from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter
+from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter, ReportedEntry
 from gateway.responsecache.validate import is_storable
 from gateway.responsecache.verifier import Verifier
 
@@ -102,10 +104,12 @@ class ResponseCache:
         self._answers = AnswerLRU(settings.memory_entries)
         self._index = embeddings_index()  # entries some lookup has needed embedded
         self._sketches = sketches_index(sketcher.dimensions if sketcher else 1)  # every semantic entry
+        self._reported = Reported()  # entries reported as wrong hits: served by exact key only
         self._new_embeddings: dict[int, np.ndarray] = {}  # computed on demand, not yet in SQL
         self.num_ruled_out = 0  # semantic lookups the cheap stage answered (nothing embedded)
         self.num_judged = 0  # semantic lookups that embedded and asked the judge
         self.num_busy = 0  # plausible, but forwarded: the embeddings' CPU budget was spent
+        self.num_near_reported = 0  # judged lookups held to the stricter bar near a reported entry
         self._hits: Counter[int] = Counter()
         self._store_queue: asyncio.Queue[_Queued] = asyncio.Queue(settings.max_store_queue)
         self._writer: asyncio.Task[None] | None = None
@@ -119,8 +123,8 @@ class ResponseCache:
         self._storing: dict[ExactKey, tuple[dict[str, Any], float, Lookup, asyncio.Future[None]]] = {}
         self._last_sweep = time.monotonic()
         self._feed = ChangeFeed(store, on_entries=self._add, on_purge=self._forget, on_tick=self._tick,
-                                poll_interval_s=settings.poll_interval_s, redis_url=settings.redis_url,
-                                channel=settings.redis_channel)
+                                on_report=self._demote, poll_interval_s=settings.poll_interval_s,
+                                redis_url=settings.redis_url, channel=settings.redis_channel)
 
     @property
     def semantic_enabled(self) -> bool:
@@ -163,6 +167,7 @@ class ResponseCache:
         return {"entries": len(self._directory), "semantic_entries": len(self._sketches),
                 "embedded_entries": len(self._index), "semantic_ruled_out": self.num_ruled_out,
                 "semantic_judged": self.num_judged, "semantic_busy": self.num_busy,
+                "semantic_near_reported": self.num_near_reported,
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
                 "stored": self.num_stored, "store_queue": self._store_queue.qsize(),
                 "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
@@ -175,11 +180,21 @@ class ResponseCache:
         for meta in live:
             self._directory.add(meta)
         if self._sketcher is not None:
-            for meta in live:
+            serving = [m for m in live if not m.wrong_reports]
+            for meta in serving:
                 if meta.partition is not None and meta.query is not None and meta.sketch is None:
                     meta.sketch = self._sketcher.sketch(meta.query)
-            self._sketches.add(live)
-            self._index.add(live)
+            self._sketches.add(serving)
+            self._index.add(serving)
+            self._reported.add([m for m in live if m.wrong_reports])
+
+    def _demote(self, metas: list[EntryMeta]) -> None:
+        """Entries reported as wrong hits (read again from SQL, or just reported here): out of the
+        semantic indexes, into the reported ones; still in the exact directory."""
+        ids = [m.id for m in metas]
+        self._index.remove(ids)
+        self._sketches.remove(ids)
+        self._add(metas)
 
     def _forget(self, scope: PurgeFilter) -> None:
         if scope.entry_id is not None:  # a delete: the entry is in SQL, so not among `_storing`
@@ -200,6 +215,7 @@ class ResponseCache:
             self._new_embeddings.pop(entry_id, None)
         self._index.remove(ids)
         self._sketches.remove(ids)
+        self._reported.remove(ids)
 
     async def _tick(self) -> None:
         await self._flush_hits()
@@ -288,13 +304,21 @@ class ResponseCache:
             match = None  # a long shared context: judged below by what differs, not by the whole turn
         if match is None:
             match = await self._match_by_differing_parts(lookup.partition, lookup.vector, lookup.query, now)
-        controls = lookup.controls
-        if match is not None and not self._verifier.accepts(lookup.query, match.probability, controls.min_probability,
-                                                            controls.max_false_hit_rate):
-            match = None  # the most probable match misses the request's own stricter bar: so do the rest
-        if match is not None and await self._load(lookup, match.meta.id):
+        if match is not None and self._meets_bars(lookup, match) and await self._load(lookup, match.meta.id):
             lookup.status = HIT_SEMANTIC
             lookup.similarity, lookup.probability = match.similarity, match.probability
+
+    def _meets_bars(self, lookup: Lookup, match: Match) -> bool:
+        """Whether the most probable match also meets the stricter bars: the request's own, and the
+        one near an entry reported wrong (`feedback.py`). When it misses them, so do the others."""
+        assert self._verifier is not None and lookup.query is not None
+        assert lookup.partition is not None and lookup.vector is not None
+        near_reported = self._reported.bar(lookup.partition, lookup.vector, self._verifier.threshold_of(lookup.query))
+        if near_reported is not None:
+            self.num_near_reported += 1
+        bars = [p for p in (lookup.controls.min_probability, near_reported) if p is not None]
+        return self._verifier.accepts(lookup.query, match.probability, max(bars, default=None),
+                                      lookup.controls.max_false_hit_rate)
 
     async def _name_stored(self, lookup: Lookup, written: asyncio.Future[None]) -> None:
         """A hit on an answer still being written: wait for its insert (at most STORING_WAIT_S) so
@@ -330,7 +354,7 @@ class ResponseCache:
                                        *(self._embedder.embed(m.query or "") for m in missing))
         lookup.vector = vectors[0]
         for meta, vector in zip(missing, vectors[1:], strict=True):
-            if meta.id in self._directory.by_id:  # not removed while it was embedded
+            if meta.id in self._sketches:  # not removed (or reported) while it was embedded
                 meta.embedding = vector
                 self._index.add([meta])
                 self._new_embeddings[meta.id] = vector
@@ -511,6 +535,38 @@ class ResponseCache:
             self._feed.mark_purge_seen(purge_id)
             await self._feed.announce()
         return deleted
+
+    async def report(self, tenant: str, entry_id: int, *, correct: bool) -> bool:
+        """A client's verdict on a hit of entry `entry_id` (`feedback.py`); False when `tenant` has
+        no such entry (another tenant's looks the same as none). Reporting twice counts twice."""
+        found = await self._store.metas([entry_id])
+        if not found or found[0].tenant != tenant:
+            return False
+        if correct:
+            return await self._store.confirm(entry_id)
+        meta = found[0]
+        in_sql = meta.embedding is not None
+        known = self._directory.by_id.get(entry_id)
+        if not in_sql and known is not None:
+            meta.embedding = known.embedding  # embedded here, not yet written to SQL
+        if meta.embedding is None and meta.partition is not None and meta.query is not None \
+                and self._embedder is not None:
+            meta.embedding = await self._embedder.embed(meta.query)
+        purge_id = await self._store.report_wrong(entry_id, None if in_sql else meta.embedding)
+        if purge_id is None:
+            return False  # deleted meanwhile
+        meta.wrong_reports += 1
+        self._new_embeddings.pop(entry_id, None)  # written with the report
+        self._demote([meta])
+        self._feed.mark_purge_seen(purge_id)
+        await self._feed.announce()
+        return True
+
+    async def reported_wrong(self, *, tenant: str | None = None, limit: int = 100) -> list[ReportedEntry]:
+        return await self._store.reported_wrong(tenant=tenant, limit=limit)
+
+    async def feedback_counts(self) -> dict[str, int]:
+        return await self._store.feedback_counts()
 
     async def purge(self, scope: PurgeFilter) -> int:
         purge_id, deleted = await self._store.purge(scope)

@@ -149,6 +149,11 @@ class Verifier:
         """Whether `text` is in a language this verifier was calibrated on."""
         return language_of(text) in self.thresholds
 
+    def threshold_of(self, text: str) -> float | None:
+        """The deployment's threshold for `text`'s language; None when it is not calibrated."""
+        language = language_of(text)
+        return self.thresholds.get(language) if language is not None else None
+
     def accepts(self, text: str, probability: float, min_probability: float | None,
                 max_false_hit_rate: float | None) -> bool:
         """Whether a verdict's `probability` also meets a request's own, stricter bar: its minimum
@@ -169,8 +174,7 @@ class Verifier:
                cosines: list[float] | None = None) -> Verdict:
         """One candidate: the `rank`-th neighbour of `query`, `cosines` the neighbours' cosines
         (descending); without them the candidate is taken as the only neighbour."""
-        language = language_of(query)
-        threshold = self.thresholds.get(language) if language is not None else None
+        threshold = self.threshold_of(query)
         if threshold is None:
             return Verdict(False, 0.0, "language")
         cosine = float(np.dot(u, v))
