@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from gateway.api import admin, dashboard, health, messages, openai, responses_api
+from gateway.api import admin, dashboard, feedback, health, messages, openai, responses_api
 from gateway.api.openapi import install_openapi
 from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
@@ -159,6 +159,7 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.observability.dashboard_enabled:
         app.include_router(dashboard.dashboard_router)
     app.include_router(openai.router)
+    app.include_router(feedback.router)
     app.include_router(messages.router)
     app.include_router(responses_api.router)
     app.include_router(health.router)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from starlette.responses import Response
 
 from gateway.api.body import read_json
@@ -13,12 +13,15 @@ from gateway.api.responses import json_response
 from gateway.errors import InvalidField, InvalidRequest, NotFound
 from gateway.responsecache.cache import ResponseCache
 from gateway.responsecache.store import PurgeFilter
+from gateway.schemas.requests import MAX_ENTRY_ID
 from gateway.services import Services
 
 router = APIRouter(prefix="/admin")
 # The columns a purge filters on (persistence/models.py): a longer value cannot match anything, and
 # PostgreSQL rejects it (or a NUL) with an error, which must be the client's 400, not a 500.
 PURGE_FIELD_CHARS = {"tenant": 128, "namespace": 128, "model": 256}
+# How much of a reported entry's question the listing shows.
+QUESTION_PREVIEW_CHARS = 200
 
 
 def _cache(services: Services) -> ResponseCache:
@@ -52,10 +55,6 @@ async def stats(services: ServicesDep, _: AdminDep) -> Response:
     return json_response({**cache.stats(), "entries_never_read": await cache.count_never_read()})
 
 
-# Entry ids are BIGINT in SQL: a larger number cannot name an entry and must not reach the driver.
-MAX_ENTRY_ID = 2**63 - 1
-
-
 @router.post("/response-cache/delete")
 async def delete_entry(request: Request, services: ServicesDep, _: AdminDep) -> Response:
     """Body: `{"id": N}` (the `x-kvgate-cache-id` of a hit) or `{"key": K}` (`x-kvgate-cache-key`)."""
@@ -78,6 +77,21 @@ async def delete_by_id(entry_id: Annotated[int, Path(ge=1, le=MAX_ENTRY_ID)], se
     if not deleted:
         raise NotFound(f"no cache entry {entry_id}")
     return json_response({"deleted": deleted, "id": entry_id})
+
+
+@router.get("/response-cache/entries")
+async def list_entries(services: ServicesDep, _: AdminDep, reported: Literal["wrong"],
+                       tenant: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+                       limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Response:
+    """Entries whose hits clients reported wrong (`?reported=wrong`, the one listing there is), the
+    most reported first: what the semantic cache no longer serves, to review or delete."""
+    entries = await _cache(services).reported_wrong(tenant=tenant, limit=limit)
+    return json_response({"object": "list", "data": [{
+        "id": e.id, "tenant": e.tenant, "namespace": e.namespace, "model": e.model,
+        "question": e.query[:QUESTION_PREVIEW_CHARS] if e.query is not None else None,
+        "wrong_reports": e.wrong_reports, "correct_reports": e.correct_reports, "hits": e.hit_count,
+        "created_at": e.created_at, "expires_at": e.expires_at,
+    } for e in entries]})
 
 
 @router.get("/provider-cache/writes")

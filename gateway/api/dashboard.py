@@ -9,13 +9,13 @@ Every asset is served from this package (no CDN), under a CSP that forbids any o
 from __future__ import annotations
 
 from importlib.resources import files
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from gateway.api.deps import AdminDep, ServicesDep, require_admin
+from gateway.api.deps import AdminDep, MetricsDep, ServicesDep, require_admin
 from gateway.api.responses import json_response
 from gateway.errors import InvalidField, NotFound
 from gateway.observability.kv_tiers import remote_tier_rows, tier_rows
@@ -26,14 +26,6 @@ ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 NO_STORE = {"cache-control": "no-store"}
-
-
-def get_metrics(request: Request) -> Metrics:
-    metrics: Metrics = request.app.state.metrics
-    return metrics
-
-
-MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 
 
 metrics_router = APIRouter()
@@ -78,6 +70,9 @@ async def dashboard_summary(services: ServicesDep, metrics: MetricsDep, _: Admin
         for b in reversed(metrics.recent_breaks)
     ]
     summary["response_cache"] = services.response_cache.stats() if services.response_cache is not None else None
+    if services.response_cache is not None:
+        # Verdicts clients sent on hits (POST /v1/kvgate/feedback), on every replica's entries.
+        summary["response_cache"]["feedback"] = await services.response_cache.feedback_counts()
     writes = services.cache_writes.summary() if services.cache_writes is not None else {}
     if services.response_cache is not None:
         writes["entries_never_read"] = await services.response_cache.count_never_read()

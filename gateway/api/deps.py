@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from gateway.api.auth import authenticate
 from gateway.errors import PermissionDenied
+from gateway.observability.metrics import Metrics
 from gateway.persistence.keys import Principal
 from gateway.services import Services
 
@@ -15,6 +16,11 @@ from gateway.services import Services
 def get_services(request: Request) -> Services:
     services: Services = request.app.state.services
     return services
+
+
+def get_metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
 
 
 async def require_admin(request: Request) -> None:
@@ -33,3 +39,4 @@ async def require_admin(request: Request) -> None:
 ServicesDep = Annotated[Services, Depends(get_services)]
 PrincipalDep = Annotated[Principal, Depends(authenticate)]
 AdminDep = Annotated[None, Depends(require_admin)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, FeedbackRequest
 
 REF = "#/components/schemas/{model}"
 PURGE_SCHEMA: dict[str, Any] = {
@@ -29,6 +29,7 @@ BODIES: dict[str, type[BaseModel] | dict[str, Any]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/kvgate/feedback": FeedbackRequest,
     "/admin/response-cache/purge": PURGE_SCHEMA,
 }
 

@@ -90,6 +90,8 @@ class Metrics:
                                      ["result"], registry=r)
         self.cache_hits = Counter("kvgate_response_cache_hits", "Response-cache hits by kind (exact, semantic)",
                                   ["kind"], registry=r)
+        self.cache_feedback = Counter("kvgate_cache_feedback", "Clients' verdicts on response-cache hits "
+                                      "(POST /v1/kvgate/feedback): wrong, correct", ["verdict"], registry=r)
         self.cache_bypass = Counter("kvgate_response_cache_bypass",
                                     "Requests that skipped the response cache (cache controls)", registry=r)
         self.saved_tokens = Counter("kvgate_saved_tokens",

@@ -1,4 +1,4 @@
-"""Wire models of the OpenAI requests kvgate accepts.
+"""Wire models of the OpenAI requests kvgate accepts, and of its own feedback request.
 
 They validate the fields the gateway relies on, strictly (`stream: "yes"` and `max_tokens: true`
 are errors, not coerced: the upstream would read them differently from the gateway), and let every
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
 
 class _Open(BaseModel):
@@ -57,3 +57,24 @@ class CompletionRequest(_Generation):
 class EmbeddingRequest(_Open):
     model: str = MODEL_ID
     input: str | list[str] | list[int] | list[list[int]]
+
+
+# Entry ids are BIGINT in SQL: a larger number cannot name an entry and must not reach the driver.
+MAX_ENTRY_ID = 2**63 - 1
+
+
+class FeedbackRequest(_Open):
+    """`POST /v1/kvgate/feedback`: a verdict on the hit that named its entry in `x-kvgate-cache-id`
+    (the header's value as is, or as a number)."""
+
+    cache_id: int
+    correct: bool = Field(strict=True)
+
+    @field_validator("cache_id", mode="before")
+    @classmethod
+    def _entry_id(cls, value: Any) -> int:
+        if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_ENTRY_ID:
+            raise ValueError(f"expected the x-kvgate-cache-id of a hit: an integer from 1 to {MAX_ENTRY_ID}")
+        return value
