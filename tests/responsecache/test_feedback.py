@@ -71,6 +71,29 @@ def test_a_wrong_report_ends_semantic_serving_and_keeps_the_exact_key(gw: Gatewa
     assert summary["response_cache"]["feedback"]["entries_reported_wrong"] >= 1
 
 
+def test_lookups_near_a_reported_entry_need_a_higher_judge_probability(gw: Gateway) -> None:
+    """A paraphrase served at a judge probability under 0.94 (the deployment's English threshold is
+    0.84) is refused once another question on its topic is reported wrong: near a reported entry a
+    hit needs 0.94. A paraphrase on another topic is served as before."""
+    client = Client(gw)
+    space = {"x-kvgate-cache-namespace": "neighbourhood"}
+    asked = "at sea level, what is the boiling point of water?"
+    stored = "what is the boiling point of water at sea level?"
+    reported = "what is the freezing point of water at sea level?"
+    elsewhere = ("how can I reset my wifi router password?", "how do I reset the password of my wifi router?")
+    for question in (stored, reported, elsewhere[1]):
+        client.miss_then_stored(question, headers=space)
+    before = client.chat(asked, headers={**space, **NO_STORE})
+    assert before.cache == "hit-semantic" and float(before.headers["x-kvgate-judge-probability"]) < 0.84 + 0.1
+    report(client, client.chat(reported, headers=space).headers["x-kvgate-cache-id"], correct=False)
+    near = httpx.get(gw.base_url + "/admin/response-cache/stats", headers=ADMIN).json()["semantic_near_reported"]
+    assert client.chat(asked, headers={**space, **NO_STORE}).cache == "miss"
+    assert httpx.get(gw.base_url + "/admin/response-cache/stats", headers=ADMIN).json()["semantic_near_reported"] \
+        == near + 1
+    assert client.chat(stored, headers=space).cache == "hit-exact"
+    assert client.chat(elsewhere[0], headers={**space, **NO_STORE}).cache == "hit-semantic"
+
+
 def test_a_correct_report_changes_nothing(gw: Gateway) -> None:
     client = Client(gw)
     client.miss_then_stored("feedback: what is the boiling point of water at sea level?")
