@@ -81,7 +81,8 @@ async def delete_by_id(entry_id: Annotated[int, Path(ge=1, le=MAX_ENTRY_ID)], se
 
 @router.get("/response-cache/entries")
 async def list_entries(services: ServicesDep, _: AdminDep, reported: Literal["wrong"],
-                       tenant: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+                       tenant: Annotated[str | None, Query(min_length=1, max_length=PURGE_FIELD_CHARS["tenant"],
+                                                           pattern=r"^[^\x00-\x1f\x7f]+$")] = None,
                        limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Response:
     """Entries whose hits clients reported wrong (`?reported=wrong`, the one listing there is), the
     most reported first: what the semantic cache no longer serves, to review or delete."""

@@ -131,6 +131,9 @@ def test_feedback_needs_a_tenant_key_and_a_json_object(gw: Gateway) -> None:
     unknown = httpx.get(gw.base_url + "/admin/response-cache/entries", params={"reported": "right"},
                         headers={"authorization": f"Bearer {ADMIN_SECRET}"})
     assert unknown.status_code == 422 and unknown.json()["error"]["param"] == "query.reported"
+    nul = httpx.get(gw.base_url + "/admin/response-cache/entries", params={"reported": "wrong", "tenant": "a\x00b"},
+                    headers={"authorization": f"Bearer {ADMIN_SECRET}"})
+    assert nul.status_code == 422, "PostgreSQL refuses a NUL in text: it must not reach the driver"
 
 
 def test_a_report_reaches_the_other_replica_and_outlives_a_restart(fake_upstream: str, embedding_model: Any,
