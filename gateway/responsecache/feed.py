@@ -46,6 +46,7 @@ class ChangeFeed:
         self._seen: set[int] = set()
         self._high = 0
         self._purge_high = 0
+        self._own_purges: set[int] = set()  # written and applied here, not yet reached by the reads
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -65,7 +66,11 @@ class ChangeFeed:
         self._high = max(self._high, entry_id)
 
     def mark_purge_seen(self, purge_id: int) -> None:
-        self._purge_high = max(self._purge_high, purge_id)
+        """A purge row this replica wrote and already applied: skipped when the reads reach it. The
+        reads still go through every row below it: moving the high mark to it lost another
+        replica's purge, delete or report written just before and not read yet."""
+        if purge_id > self._purge_high:
+            self._own_purges.add(purge_id)
 
     async def announce(self) -> None:
         """Tell the other replicas to read now (no-op without Redis: they poll)."""
@@ -110,7 +115,9 @@ class ChangeFeed:
 
     async def catch_up(self) -> None:
         for purge_id, scope in await self._store.purges_since(self._purge_high):
-            if scope.semantic_only and scope.entry_id is not None:
+            if purge_id in self._own_purges:
+                self._own_purges.discard(purge_id)
+            elif scope.semantic_only and scope.entry_id is not None:
                 if self._on_report is not None:
                     self._on_report(await self._store.metas([scope.entry_id]))
             else:
