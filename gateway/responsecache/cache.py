@@ -109,7 +109,7 @@ class ResponseCache:
         self.num_ruled_out = 0  # semantic lookups the cheap stage answered (nothing embedded)
         self.num_judged = 0  # semantic lookups that embedded and asked the judge
         self.num_busy = 0  # plausible, but forwarded: the embeddings' CPU budget was spent
-        self.num_near_reported = 0  # judged lookups held to the stricter bar near a reported entry
+        self.num_near_reported = 0  # judged lookups whose best match faced the bar near a reported entry
         self._hits: Counter[int] = Counter()
         self._store_queue: asyncio.Queue[_Queued] = asyncio.Queue(settings.max_store_queue)
         self._writer: asyncio.Task[None] | None = None
