@@ -186,7 +186,8 @@ class StagedCache:
         self.num_judged = 0
 
     def match(self, text: str, vector: np.ndarray, verifier: Verifier) -> Match | None:
-        named = plausible(self.sketches, PARTITION, self.sketcher.sketch(text), self.sketcher.floor(text), 0.0)
+        named = plausible(self.sketches, PARTITION, self.sketcher.sketch(text), text, self.sketcher.floor(text),
+                          self.sketcher.prejudge, 0.0)
         if not named:
             self.num_ruled_out += 1
             return None

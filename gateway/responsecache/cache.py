@@ -343,7 +343,8 @@ class ResponseCache:
         then nothing is embedded."""
         assert self._sketcher is not None and lookup.partition is not None and lookup.query is not None
         lookup.sketch = self._sketcher.sketch(lookup.query)
-        return plausible(self._sketches, lookup.partition, lookup.sketch, self._sketcher.floor(lookup.query), now)
+        return plausible(self._sketches, lookup.partition, lookup.sketch, lookup.query,
+                         self._sketcher.floor(lookup.query), self._sketcher.prejudge, now)
 
     async def _embed_with(self, lookup: Lookup, plausible: list[EntryMeta]) -> None:
         """Embed the question, and in the same batch every plausible stored question not embedded

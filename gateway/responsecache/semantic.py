@@ -2,8 +2,9 @@
 
 `plausible` (the cheap stage, on sketches) and `best_match` (the judge, on embeddings) are the
 whole decision, shared by the gateway and `kvgate eval semantic`, so the evaluation measures
-exactly what is served: stored questions whose sketch reaches the language's floor are the only
-ones that can be embedded and judged (none: the lookup ends there, nothing embedded); then nearest
+exactly what is served: stored questions whose sketch reaches the language's floor and that the
+prejudge (`prejudge.py`) lets through are the only ones that can be embedded and judged (none: the
+lookup ends there, nothing embedded); then nearest
 neighbours within the partition, each checked by the verifier in its retrieval context (rank,
 neighbours' cosines), the most probable accepted one wins.
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from gateway.responsecache.index import VectorIndex
 from gateway.responsecache.keys import PartitionKey
+from gateway.responsecache.prejudge import Prejudge
 from gateway.responsecache.store import EntryMeta
 from gateway.responsecache.verifier import Verifier
 
@@ -44,11 +46,22 @@ class Match:
     probability: float
 
 
-def plausible(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray, floor: float,
-              now: float, k: int = PLAUSIBLE_CANDIDATES) -> list[EntryMeta]:
-    """The cheap stage: stored questions of the partition whose sketch reaches `floor`."""
-    return [c.meta for c in sketches.search(partition, sketch, k)
-            if c.similarity >= floor and c.meta.expires_at > now and c.meta.query is not None]
+def plausible(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray, query: str, floor: float,
+              prejudge: Prejudge | None, now: float, k: int = PLAUSIBLE_CANDIDATES) -> list[EntryMeta]:
+    """The cheap stage: empty when no stored question of the partition sketches within `floor` of
+    the question with the prejudge's consent (when there is one); else every sketch candidate
+    within the floor, to be embedded, not only those the prejudge likes: the judge reads how crowded
+    the neighbourhood is (rank, margin to the next neighbour), and an embedded index holding only
+    the likeliest candidates makes each look unrivalled (measured: English precision 0.815 instead
+    of 0.867 when only the prejudge's candidates were embedded)."""
+    candidates = [c for c in sketches.search(partition, sketch, k + 1)
+                  if c.meta.expires_at > now and c.meta.query is not None]
+    cosines = [c.similarity for c in candidates]
+    if any(c.similarity >= floor and (prejudge is None or prejudge.passes(query, c.meta.query or "", rank, cosines,
+                                                                          floor))
+           for rank, c in enumerate(candidates[:k])):
+        return [c.meta for c in candidates[:k] if c.similarity >= floor]
+    return []
 
 
 def best_match(index: VectorIndex, partition: PartitionKey, vector: np.ndarray, text: str,

@@ -5,7 +5,8 @@ A sketch is the weighted mean of static word vectors distilled from that same mo
 (`bench/sketch_table.py`: each word of a general vocabulary embedded alone, the common direction
 removed), so that two questions the judge could accept have close sketches. A lookup compares its
 sketch with the sketches of the partition's stored questions; only when one of them reaches the
-language's floor does it pay for the embedding and the judge.
+language's floor, and the prejudge (`prejudge.py`) says the judge could accept it, does it pay for
+the embedding and the judge.
 
 The floors are tuned (`bench/sketch_tune.py`) on the training split of the verifier's data: the
 lowest sketch cosine of any pair the judge accepted there, less a margin; the hits this loses on
@@ -24,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from gateway.responsecache.language import Language, language_of
+from gateway.responsecache.prejudge import MODEL_PATH as PREJUDGE_PATH
+from gateway.responsecache.prejudge import Prejudge
 from gateway.responsecache.vetoes import STOPWORDS, tokens
 
 TABLE_PATH = Path(__file__).with_name("sketch_table.npz")
@@ -34,7 +37,9 @@ NEVER = 2.0  # a floor no cosine reaches: a language without a tuned floor is ne
 
 
 class Sketcher:
-    def __init__(self, words: list[str], vectors: np.ndarray, floors: dict[str, float]) -> None:
+    def __init__(self, words: list[str], vectors: np.ndarray, floors: dict[str, float],
+                 prejudge: Prejudge | None = None) -> None:
+        self.prejudge = prejudge
         self._rows = {word: i for i, word in enumerate(words)}
         self._vectors = vectors.astype(np.float32) / 127.0
         self.dimensions = int(vectors.shape[1])
@@ -42,15 +47,15 @@ class Sketcher:
         self._hashed: dict[str, np.ndarray] = {}
 
     @classmethod
-    def load(cls, table: Path = TABLE_PATH, floors: Path = FLOORS_PATH) -> Sketcher:
-        return cls.from_table(table, json.loads(floors.read_text())["floors"])
+    def load(cls, table: Path = TABLE_PATH, floors: Path = FLOORS_PATH, prejudge: Path = PREJUDGE_PATH) -> Sketcher:
+        return cls.from_table(table, json.loads(floors.read_text())["floors"], Prejudge.load(prejudge))
 
     @classmethod
-    def from_table(cls, table: Path, floors: dict[str, float]) -> Sketcher:
+    def from_table(cls, table: Path, floors: dict[str, float], prejudge: Prejudge | None = None) -> Sketcher:
         with np.load(table) as data:
             words = str(data["words"]).split("\n")
             vectors = data["vectors"]
-        return cls(words, vectors, floors)
+        return cls(words, vectors, floors, prejudge)
 
     def sketch(self, text: str) -> np.ndarray:
         """A unit vector (zeros for a text with no words)."""

@@ -37,7 +37,8 @@ import orjson
 from gateway.responsecache.language import Language, language_of
 from gateway.responsecache.vetoes import STOPWORDS, hard_negative, tokens
 
-__all__ = ["Verdict", "Verifier", "candidate_features", "hard_negative", "threshold_for", "tokens"]
+__all__ = ["Verdict", "Verifier", "bigram_jaccard", "candidate_features", "hard_negative", "lexical_features",
+           "threshold_for", "tokens"]
 
 WEIGHTS_PATH = Path(__file__).with_name("verifier_weights.json")
 _NOT_TEXT = re.compile(r"[\W_]+", re.UNICODE)
@@ -48,10 +49,20 @@ def char_features(a: str, b: str) -> list[float]:
     matching-blocks ratio. For Chinese these are the word overlap; for English they see spelling
     variants ("colour"/"color") that word sets miss."""
     ca, cb = _NOT_TEXT.sub("", a.lower()), _NOT_TEXT.sub("", b.lower())
+    return [_bigram_jaccard(ca, cb),
+            difflib.SequenceMatcher(None, ca[:256], cb[:256], autojunk=False).ratio() if ca or cb else 1.0]
+
+
+def bigram_jaccard(a: str, b: str) -> float:
+    """Character-bigram Jaccard on text without spaces and punctuation (the cheap half of
+    `char_features`)."""
+    return _bigram_jaccard(_NOT_TEXT.sub("", a.lower()), _NOT_TEXT.sub("", b.lower()))
+
+
+def _bigram_jaccard(ca: str, cb: str) -> float:
     ga, gb = {ca[i:i + 2] for i in range(len(ca) - 1)}, {cb[i:i + 2] for i in range(len(cb) - 1)}
     union = ga | gb
-    return [len(ga & gb) / len(union) if union else 1.0,
-            difflib.SequenceMatcher(None, ca[:256], cb[:256], autojunk=False).ratio() if ca or cb else 1.0]
+    return len(ga & gb) / len(union) if union else 1.0
 
 
 def lexical_features(a: str, b: str) -> list[float]:

@@ -6,6 +6,7 @@ import numpy as np
 
 from gateway.responsecache.index import VectorIndex
 from gateway.responsecache.keys import ExactKey, PartitionKey
+from gateway.responsecache.semantic import plausible
 from gateway.responsecache.sketch import Sketcher, stem, variants
 from gateway.responsecache.store import EntryMeta
 
@@ -49,3 +50,31 @@ def test_a_grown_partition_becomes_ivf_and_still_finds_and_forgets() -> None:
     assert all(c.meta.id != 1201 for c in index.search(PartitionKey("p"), data[1200], 5))
     assert [c.meta.id for c in index.search(PartitionKey("other"), data[0], 5)] == [10_000]
     assert len(index) == 3000
+
+
+def _sketch_meta(i: int, question: str, sketcher: Sketcher) -> EntryMeta:
+    return EntryMeta(i, "t", "ns", "m", ExactKey(str(i)), PartitionKey("p"), question, None, float("inf"),
+                     sketcher.sketch(question))
+
+
+def test_the_prejudge_passes_paraphrases_and_rules_out_neighbours_the_judge_would_refuse() -> None:
+    """Stored questions on one topic: a paraphrase of one is worth embedding; a question that
+    differs by a number (the judge's veto) or asks something else on the topic is not."""
+    sketcher = Sketcher.load()
+    assert sketcher.prejudge is not None, "the shipped cheap stage has a prejudge"
+    stored = ["How do I reset my wifi router password?", "How do I reset my wifi router to factory settings?",
+              "Why does my wifi router keep disconnecting?", "What is the best wifi router for gaming?"]
+    index = VectorIndex(lambda meta: meta.sketch, sketcher.dimensions)
+    index.add([_sketch_meta(i + 1, q, sketcher) for i, q in enumerate(stored)])
+
+    def named(question: str) -> list[str]:
+        metas = plausible(index, PartitionKey("p"), sketcher.sketch(question), question, sketcher.floor(question),
+                          sketcher.prejudge, 0.0)
+        return [m.query or "" for m in metas]
+
+    assert stored[0] in named("How can I reset the password of my wifi router?")
+    assert named("Which wifi router is best for working from home?") == []
+    numbered = "How do I reset my wifi router password 2 times?"
+    assert plausible(index, PartitionKey("p"), sketcher.sketch(numbered), numbered, 0.0, None, 0.0), \
+        "without the prejudge the numbered variant has candidates"
+    assert stored[0] not in named(numbered), "a different number is vetoed"
