@@ -21,6 +21,8 @@ def test_ideal_and_belady() -> None:
     assert belady_hit_ratio(TRACE, 100) == pytest.approx(5 / 12)
     assert belady_hit_ratio(TRACE, 3) <= 5 / 12
     assert belady_hit_ratio(TRACE, 0) == 0
+    # Refusing first sightings: request 2 only stores the seen blocks 0 and 1, request 4 hits them.
+    assert belady_hit_ratio(TRACE, 100, second_hit_only=True) == pytest.approx(2 / 12)
 
 
 def test_bench_replays_any_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,6 +38,8 @@ def test_bench_replays_any_trace_file(tmp_path: Path, capsys: pytest.CaptureFixt
     assert {"policy", "capacity_blocks", "hit_ratio", "belady_hit_ratio"} <= set(rows[("s3fifo", 3)])
     assert rows[("arc+second-hit", 3)]["admission"] == "second-hit"
     assert {(r["policy"], r["capacity_blocks"]) for r in out["best"]} <= set(rows)
+    assert not any(r["admission"] == "auto" for r in out["rows"])
+    assert out["second_hit_bound"][1]["belady_second_hit_only"] == pytest.approx(2 / 12, abs=1e-3)
     stack = out["tier_stack"]["rows"]
     assert {r["admission"] for r in stack} == {"always/always/always", "auto/auto/auto", "always/always/second-hit"}
     assert all("disk_writes_per_block" in r for r in stack)
