@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gateway.kvcache.blocks import BlockLayout
 from gateway.kvcache.codec import build_codec
 from gateway.kvcache.keys import ChainKeyer
 from gateway.kvcache.manager import KVCacheManager
-from gateway.kvcache.settings import CodecName, KVCacheSettings
+from gateway.kvcache.settings import AdmissionName, CodecName, KVCacheSettings
 from gateway.kvcache.tiers.base import Tier
 from gateway.kvcache.tiers.device import DeviceTier, resolve_device
 from gateway.kvcache.tiers.disk import DiskTier
@@ -52,12 +54,22 @@ def build_manager(
     if layout.block_size != settings.block_size:
         raise ValueError(f"layout block_size {layout.block_size} != settings {settings.block_size}")
     keyer = ChainKeyer(settings.block_size, settings.hash_seed, model_id, layout.dtype_name, layout.describe())
+    tiers = build_tiers(settings)
     return KVCacheManager(
-        build_tiers(settings), keyer=keyer, layout=layout, device=resolve_device(settings.device),
+        tiers, keyer=keyer, layout=layout, device=resolve_device(settings.device),
         eviction_policy=settings.eviction_policy, write_policy=settings.write_policy,
         recompute_s_per_token=recompute_s_per_token, skip_slow_tiers=settings.skip_slow_tiers,
         share_across_tenants=settings.share_across_tenants,
+        admission=[admission_of(settings, tier.name) for tier, _ in tiers],
     )
+
+
+def admission_of(settings: KVCacheSettings, tier_name: str) -> AdmissionName:
+    """The admission setting of a tier built by `build_tiers`."""
+    s = settings
+    by_tier = {"device": s.device_admission, "host": s.host_admission, "disk": s.disk_admission,
+               "redis": s.redis_admission}
+    return by_tier[tier_name]
 
 
 def build_metadata_manager(
@@ -65,12 +77,14 @@ def build_metadata_manager(
     *,
     block_size: int,
     settings: KVCacheSettings | None = None,
+    admission: AdmissionName | Sequence[AdmissionName] = AdmissionName.AUTO,
 ) -> KVCacheManager:
-    """A tensor-free manager whose tiers hold `capacities_blocks` blocks each (trace replay)."""
+    """A tensor-free manager whose tiers hold `capacities_blocks` blocks each (trace replay);
+    `admission` for every tier or one per tier (the tiers are named by the caller)."""
     s = settings or KVCacheSettings(block_size=block_size)
     tiers: list[tuple[Tier, int | None]] = [
         (MetadataTier(name, block_nbytes=1), cap) for name, cap in capacities_blocks
     ]
     keyer = ChainKeyer(block_size, s.hash_seed, "trace", "none", "metadata")
     return KVCacheManager(tiers, keyer=keyer, layout=None, eviction_policy=s.eviction_policy,
-                          write_policy=s.write_policy)
+                          write_policy=s.write_policy, admission=admission)

@@ -12,7 +12,11 @@ most recently used and is evicted last; evicting a head would orphan every block
 
 Write-through stores every new block in every tier; write-back stores it in the top tier and
 moves it one tier down when it is evicted there. Pinned blocks are never evicted; if a tier cannot
-make room because everything is pinned, the new block is simply not kept in that tier.
+make room because everything is pinned, the new block is simply not kept in that tier. A full tier
+first asks its admission policy (`admission.py`) whether a stored or demoted block is worth a
+place; promotions on load and prefetches are reuses and always taken. Once a tier refused a block
+of a store, it is not offered the rest of that chain: behind a refused block they could only be
+reached through another tier.
 
 Longer than 300 lines on purpose: lookup, load, store, eviction and demotion all hold the one
 lock over the same indexes and pins; split across modules, that locking discipline could no
@@ -28,11 +32,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gateway.kvcache.admission import AdmissionPolicy, AlwaysAdmit, build_admission
 from gateway.kvcache.blocks import BlockLayout, LoadedPrefix
 from gateway.kvcache.errors import CorruptBlockError
 from gateway.kvcache.keys import BlockHash, ChainKeyer
 from gateway.kvcache.policies import EvictionPolicy, build_policy
-from gateway.kvcache.settings import EvictionPolicyName, WritePolicy
+from gateway.kvcache.settings import AdmissionName, EvictionPolicyName, WritePolicy
 from gateway.kvcache.stats import CacheStats, InstrumentedTier, TierStats
 from gateway.kvcache.tiers.base import Tier
 
@@ -57,6 +62,7 @@ class _Slot:
     tier: InstrumentedTier
     capacity_bytes: int | None
     policy: EvictionPolicy
+    admission: AdmissionPolicy = field(default_factory=AlwaysAdmit)
     sizes: dict[BlockHash, int] = field(default_factory=dict)
     used_bytes: int = 0
 
@@ -78,9 +84,12 @@ class KVCacheManager:
         recompute_s_per_token: float | None = None,
         skip_slow_tiers: bool = True,
         share_across_tenants: bool = False,
+        admission: AdmissionName | Sequence[AdmissionName] = AdmissionName.AUTO,
     ) -> None:
         """`tiers`: (tier, byte budget or None for unbounded), fastest first. `layout` None means
-        metadata-only mode: blocks are tracked, no tensors stored (trace replay)."""
+        metadata-only mode: blocks are tracked, no tensors stored (trace replay). `admission`: one
+        policy for every tier, or one per tier; unbounded tiers take every block whatever it says,
+        `auto` is second-hit above the last local tier under write-through, always elsewhere."""
         self.keyer = keyer
         self.layout = layout
         self.device = device if device is not None else torch.device("cpu")
@@ -93,6 +102,17 @@ class KVCacheManager:
                   build_policy(eviction_policy))
             for t, cap in tiers
         ]
+        names = [admission] * len(self._slots) if isinstance(admission, str) else list(admission)
+        if len(names) != len(self._slots):
+            raise ValueError(f"{len(names)} admission policies for {len(self._slots)} tiers")
+        last_local = max((k for k, s in enumerate(self._slots) if s.authoritative), default=-1)
+        for k, (slot, name) in enumerate(zip(self._slots, names, strict=True)):
+            if name == AdmissionName.AUTO:
+                # A refused block still lands in the slower local tier below (write-through only).
+                below = k < last_local and self._targets_all()
+                name = AdmissionName.SECOND_HIT if below else AdmissionName.ALWAYS
+            if slot.capacity_bytes is not None:
+                slot.admission = build_admission(name, slot.sizes.__len__)
         self._lock = threading.RLock()
         self._pins: dict[BlockHash, int] = {}
         self._num_lookups = 0
@@ -343,7 +363,12 @@ class KVCacheManager:
             if not slot.authoritative and slot.tier.available and self._targets_all():
                 for row, present in zip(held, slot.tier.contains_many(hashes), strict=True):
                     row[k] = present
+        with self._lock:
+            for h in hashes:
+                for slot in self._slots:
+                    slot.admission.record(h)
         num_new = 0
+        refused: set[int] = set()
         for i, h in enumerate(hashes):
             new = not any(held[i])
             if new:
@@ -352,13 +377,14 @@ class KVCacheManager:
                 targets = [k for k, hit in enumerate(held[i]) if not hit]
             else:
                 continue
-            if not targets:
-                continue
-            block = block_of(i)
+            with self._lock:
+                admitted = [k for k in targets if k not in refused and self._admits(k, h)]
+            refused.update(k for k in targets if k not in admitted)
+            block = block_of(i) if admitted else None
             if block is None:
                 continue
             num_new += new
-            for k in targets:
+            for k in admitted:
                 self._insert(k, h, block)
         with self._lock:
             self._num_stored_blocks += num_new
@@ -383,6 +409,20 @@ class KVCacheManager:
             if not self._shrink(slot, protect=h):
                 self._index_remove(slot, h)
                 slot.tier.delete(h)
+
+    def _admits(self, k: int, h: BlockHash) -> bool:
+        """Whether tier k takes `h` in (call with the lock held): always while it has room for a
+        block of the usual size, else as its admission policy says; refusals are counted."""
+        slot = self._slots[k]
+        if slot.capacity_bytes is None or h in slot.sizes:
+            return True
+        usual = slot.used_bytes / len(slot.sizes) if slot.sizes else 0
+        if slot.used_bytes + usual <= slot.capacity_bytes:
+            return True
+        if slot.admission.admit(h, lambda: slot.policy.victim(lambda v: v not in self._pins)):
+            return True
+        slot.tier.counters.rejected += 1
+        return False
 
     def _index_add(self, slot: _Slot, h: BlockHash, size: int) -> None:
         if slot.capacity_bytes is None and not slot.authoritative:
@@ -415,7 +455,7 @@ class KVCacheManager:
         k = self._slots.index(slot)
         if self.write_policy == WritePolicy.WRITE_BACK and k + 1 < len(self._slots):
             lower = self._slots[k + 1]
-            if victim not in lower.sizes:
+            if victim not in lower.sizes and self._admits(k + 1, victim):
                 block = _NO_BLOCK if self.layout is None else self._read_for_demotion(slot, victim)
                 if block is not None:
                     self._insert(k + 1, victim, block)
@@ -446,6 +486,7 @@ class KVCacheManager:
                     bytes_in=c.bytes_in, bytes_out=c.bytes_out, evictions=c.evictions,
                     corrupt=c.corrupt,
                     load_gbps=None if c.load_bytes_per_s is None else c.load_bytes_per_s / 1e9,
+                    rejected=c.rejected,
                 ))
             return CacheStats(
                 num_lookups=self._num_lookups, num_lookup_tokens=self._num_lookup_tokens,

@@ -36,6 +36,10 @@ class EvictionPolicy(Protocol):
         """Remove and return the next victim that `can_evict` allows; None when there is none."""
         ...
 
+    def victim(self, can_evict: CanEvict) -> BlockHash | None:
+        """The block `evict` would return, left in place (admission compares it with a newcomer)."""
+        ...
+
     def __len__(self) -> int: ...
 
 
@@ -55,11 +59,13 @@ class LRUPolicy:
         self._order.pop(block_hash, None)
 
     def evict(self, can_evict: CanEvict) -> BlockHash | None:
-        for h in self._order:
-            if can_evict(h):
-                del self._order[h]
-                return h
-        return None
+        h = self.victim(can_evict)
+        if h is not None:
+            del self._order[h]
+        return h
+
+    def victim(self, can_evict: CanEvict) -> BlockHash | None:
+        return next((h for h in self._order if can_evict(h)), None)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -124,6 +130,24 @@ class S3FIFOPolicy:
                     return h
         return None
 
+    def victim(self, can_evict: CanEvict) -> BlockHash | None:
+        """What `evict` would return, close enough for admission: the oldest untouched block of
+        the small queue when `evict` would take from it, else the block whose frequency would
+        reach 0 first as `evict` rotates the queues (lowest frequency, main before small, oldest
+        first). `evict` itself moves blocks from small to main on the way and may end elsewhere."""
+        if (self._small and len(self._small) >= self._small_fraction * len(self)) or not self._main:
+            h = next((h for h, freq in self._small.items() if freq == 0 and can_evict(h)), None)
+            if h is not None:
+                return h
+        best: tuple[int, BlockHash] | None = None
+        for queue in (self._main, self._small):  # small too: its blocks move to main on the way
+            for h, freq in queue.items():
+                if can_evict(h) and (best is None or freq < best[0]):
+                    best = (freq, h)
+                    if freq == 0:
+                        return h
+        return best[1] if best is not None else None
+
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
 
@@ -186,17 +210,24 @@ class ARCPolicy:
         self._t2.pop(block_hash, None)
 
     def evict(self, can_evict: CanEvict) -> BlockHash | None:
-        lists: list[tuple[OrderedDict[BlockHash, Any], OrderedDict[BlockHash, None]]] = [
-            (self._t1, self._b1), (self._t2, self._b2)]
-        if not (self._t1 and len(self._t1) > self._p):
-            lists.reverse()
-        for live, ghosts in lists:
+        for live, ghosts in self._lists():
             for h in live:
                 if can_evict(h):
                     del live[h]
                     self._remember(ghosts, h)
                     return h
         return None
+
+    def victim(self, can_evict: CanEvict) -> BlockHash | None:
+        return next((h for live, _ in self._lists() for h in live if can_evict(h)), None)
+
+    def _lists(self) -> list[tuple[OrderedDict[BlockHash, Any], OrderedDict[BlockHash, None]]]:
+        """(live list, its ghosts) in the order `evict` takes from them."""
+        lists: list[tuple[OrderedDict[BlockHash, Any], OrderedDict[BlockHash, None]]] = [
+            (self._t1, self._b1), (self._t2, self._b2)]
+        if not (self._t1 and len(self._t1) > self._p):
+            lists.reverse()
+        return lists
 
     def _remember(self, ghosts: OrderedDict[BlockHash, None], block_hash: BlockHash) -> None:
         ghosts[block_hash] = None

@@ -30,6 +30,13 @@ class EvictionPolicyName(StrEnum):
     ARC = "arc"
 
 
+class AdmissionName(StrEnum):
+    AUTO = "auto"
+    ALWAYS = "always"
+    SECOND_HIT = "second-hit"
+    TINYLFU = "tinylfu"
+
+
 _MIB = 1 << 20
 _GIB = 1 << 30
 
@@ -73,6 +80,21 @@ class KVCacheSettings(BaseModel):
     )
     eviction_policy: EvictionPolicyName = Field(
         default=EvictionPolicyName.S3FIFO, description="Eviction order inside each bounded tier."
+    )
+    # auto: second-hit where a slower local tier takes what this one refuses (write-through), else
+    # always. Measured on the Mooncake trace (README, "Sizing the KV tiers"): as many prefix hits or
+    # more, a tenth to a quarter of the writes to the upper tiers, more hits served by the device.
+    device_admission: AdmissionName = Field(
+        default=AdmissionName.AUTO, description="Which new blocks the full device tier takes (admission.py)."
+    )
+    host_admission: AdmissionName = Field(
+        default=AdmissionName.AUTO, description="Which new blocks the full host tier takes."
+    )
+    disk_admission: AdmissionName = Field(
+        default=AdmissionName.AUTO, description="Which new blocks the full disk tier takes."
+    )
+    redis_admission: AdmissionName = Field(
+        default=AdmissionName.AUTO, description="Which new blocks Redis takes once redis_capacity_bytes is used."
     )
     write_behind_max_blocks: int = Field(
         default=512, ge=0, description="Blocks queued for the background writer before stores drop; 0 = inline."

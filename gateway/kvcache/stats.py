@@ -29,6 +29,8 @@ class TierCounters:
     bytes_out: int = 0
     evictions: int = 0
     corrupt: int = 0
+    rejected: int = 0
+    """Blocks the tier's admission policy refused."""
     load_bytes_per_s: float | None = None
 
 
@@ -48,6 +50,7 @@ class TierStats:
     evictions: int
     corrupt: int
     load_gbps: float | None
+    rejected: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -79,7 +79,7 @@ def is_chained(trace: list[TraceRequest]) -> bool:
     return True
 
 
-def belady_hit_ratio(trace: list[TraceRequest], capacity_blocks: int) -> float:
+def belady_hit_ratio(trace: list[TraceRequest], capacity_blocks: int, *, second_hit_only: bool = False) -> float:
     """Belady's offline optimum at `capacity_blocks`: evict the block used again furthest ahead,
     and of blocks used again at the same time the deepest one in its chain.
 
@@ -90,16 +90,25 @@ def belady_hit_ratio(trace: list[TraceRequest], capacity_blocks: int) -> float:
     exact optimum of the prefix hit ratio. (Breaking ties by id instead evicts heads that share a
     next use with their tails and orphans the tails: 0.251 instead of 0.255 on Mooncake at 2000.)
     On a trace that is not chained it is the customary reference, not a proven optimum.
+
+    `second_hit_only`: the optimum of a cache that never takes a block on its first sighting (the
+    bound of second-hit admission under any eviction order). A block seen before has ancestors
+    seen before, so the cached set stays prefix-closed the same way.
     """
     cached: dict[int, int] = {}  # block -> its next use
     heap: list[tuple[int, int, int]] = []  # (-next use, -position, block), stale entries skipped
+    seen: set[int] = set()
     hits = total = 0
     for r, uses in zip(trace, _next_uses(trace), strict=True):
         hits += _prefix_hits(r.hash_ids, cached)
         total += len(r.hash_ids)
         for j, (b, nu) in enumerate(zip(r.hash_ids, uses, strict=True)):
+            if second_hit_only and b not in seen and b not in cached:
+                break
             cached[b] = nu
             heapq.heappush(heap, (-nu, -j, b))
+        if second_hit_only:
+            seen.update(r.hash_ids)
         while len(cached) > capacity_blocks:
             neg, _, b = heapq.heappop(heap)
             if cached.get(b) == -neg:

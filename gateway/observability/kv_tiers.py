@@ -27,7 +27,8 @@ def tier_rows(kv: KVCacheManager, engine: str | None = None) -> list[dict[str, A
             "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
             "occupancy": t.used_bytes / t.capacity_bytes if t.used_bytes is not None and t.capacity_bytes else None,
             "hits": t.hits, "misses": t.misses, "hit_ratio": t.hits / loads if loads else None,
-            "evictions": t.evictions, "bytes_read": t.bytes_out, "bytes_written": t.bytes_in,
+            "evictions": t.evictions, "admission_rejects": t.rejected,
+            "bytes_read": t.bytes_out, "bytes_written": t.bytes_in,
             "codec_ratio": (t.num_blocks * block_bytes / t.used_bytes
                             if block_bytes and t.num_blocks and t.used_bytes else None),
         })

@@ -264,6 +264,8 @@ def kv_metrics(kv: KVCacheManager) -> Iterator[Metric]:
                                          labels=["tier"]),
         "corrupt": CounterMetricFamily("kvgate_kv_tier_corrupt_blocks", "Blocks dropped for a failed checksum",
                                        labels=["tier"]),
+        "rejected": CounterMetricFamily("kvgate_kv_tier_admission_rejects", "Blocks the full tier's admission "
+                                        "policy refused", labels=["tier"]),
         "read": CounterMetricFamily("kvgate_kv_tier_read_bytes", "Bytes loaded from the tier (decoded)",
                                     labels=["tier"]),
         "written": CounterMetricFamily("kvgate_kv_tier_written_bytes", "Bytes stored in the tier (encoded)",
@@ -287,6 +289,7 @@ def kv_metrics(kv: KVCacheManager) -> Iterator[Metric]:
         families["misses"].add_metric(labels, tier.misses)
         families["evictions"].add_metric(labels, tier.evictions)
         families["corrupt"].add_metric(labels, tier.corrupt)
+        families["rejected"].add_metric(labels, tier.rejected)
         families["read"].add_metric(labels, tier.bytes_out)
         families["written"].add_metric(labels, tier.bytes_in)
         if tier.load_gbps is not None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 from gateway.kvcache.keys import BlockHash, block_hash_from_id
 from gateway.kvcache.policies import ARCPolicy, CanEvict, LRUPolicy, S3FIFOPolicy, build_policy
 from gateway.kvcache.settings import EvictionPolicyName
@@ -107,3 +109,36 @@ def test_arc_readmits_a_block_seen_long_ago_as_reused() -> None:
 def test_build_policy_knows_every_name() -> None:
     for name in EvictionPolicyName:
         assert len(build_policy(name)) == 0
+
+
+def test_victim_names_what_evict_takes_without_taking_it() -> None:
+    rng = random.Random(7)
+    pinned = {_h(3), _h(11)}
+
+    def can_evict(h: BlockHash) -> bool:
+        return h not in pinned
+
+    for name in EvictionPolicyName:
+        p = build_policy(name)
+        for step in range(400):
+            h = _h(rng.randrange(40))
+            p.insert(h)
+            p.touch(h)
+            if rng.random() < 0.3:
+                p.touch(_h(rng.randrange(40)))
+            while len(p) > 12:
+                before = len(p)
+                named = p.victim(can_evict)
+                assert len(p) == before and named is not None and can_evict(named)
+                taken = p.evict(can_evict)
+                if name != EvictionPolicyName.S3FIFO:  # S3-FIFO's is an estimate, see its docstring
+                    assert taken == named, (name, step)
+        assert p.victim(lambda h: False) is None
+
+
+def test_s3fifo_victim_is_the_oldest_untouched_block_of_the_small_queue() -> None:
+    p = S3FIFOPolicy(small_fraction=0.5)
+    for i in range(4):
+        p.insert(_h(i))
+    p.touch(_h(0))
+    assert p.victim(lambda h: True) == _h(1) == p.evict(lambda h: True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from gateway.kvcache.codec import build_codec
 from gateway.kvcache.manager import KVCacheManager
 from gateway.kvcache.prefetch import PrefetchPlanner
-from gateway.kvcache.settings import CodecName
+from gateway.kvcache.settings import AdmissionName, CodecName
 from gateway.kvcache.tiers.disk import DiskTier
 from gateway.kvcache.tiers.host import HostTier
 from tests.kvcache.conftest import LAYOUT, make_keyer, make_kv
@@ -21,7 +21,10 @@ def _evicted_conversation(tmp_path: Path) -> tuple[KVCacheManager, list[int]]:
     """A 3-block conversation that survives only on disk: two later ones pushed it out of host."""
     host = HostTier(build_codec(CodecName.RAW))
     disk = DiskTier(tmp_path / "disk", build_codec(CodecName.SHRINK_LZ4), fsync=False)
-    manager = KVCacheManager([(host, 4 * HOST_BLOCK), (disk, None)], keyer=make_keyer(), layout=LAYOUT)
+    # Admission always: under the default (second-hit above disk) the full host would refuse the
+    # later one-time conversations instead of letting them push this one out.
+    manager = KVCacheManager([(host, 4 * HOST_BLOCK), (disk, None)], keyer=make_keyer(), layout=LAYOUT,
+                             admission=AdmissionName.ALWAYS)
     ids = list(range(1, 13))
     manager.store("t", ids, make_kv(12))
     for s in (1, 2):

@@ -21,6 +21,8 @@ def test_ideal_and_belady() -> None:
     assert belady_hit_ratio(TRACE, 100) == pytest.approx(5 / 12)
     assert belady_hit_ratio(TRACE, 3) <= 5 / 12
     assert belady_hit_ratio(TRACE, 0) == 0
+    # Refusing first sightings: request 2 only stores the seen blocks 0 and 1, request 4 hits them.
+    assert belady_hit_ratio(TRACE, 100, second_hit_only=True) == pytest.approx(2 / 12)
 
 
 def test_bench_replays_any_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -34,6 +36,25 @@ def test_bench_replays_any_trace_file(tmp_path: Path, capsys: pytest.CaptureFixt
     rows = {(r["policy"], r["capacity_blocks"]): r for r in out["rows"]}
     assert rows[("lru", 100)]["hit_ratio"] == pytest.approx(5 / 12, abs=1e-3)
     assert {"policy", "capacity_blocks", "hit_ratio", "belady_hit_ratio"} <= set(rows[("s3fifo", 3)])
+    assert rows[("arc+second-hit", 3)]["admission"] == "second-hit"
+    assert {(r["policy"], r["capacity_blocks"]) for r in out["best"]} <= set(rows)
+    assert not any(r["admission"] == "auto" for r in out["rows"])
+    assert out["second_hit_bound"][1]["belady_second_hit_only"] == pytest.approx(2 / 12, abs=1e-3)
+    stack = out["tier_stack"]["rows"]
+    assert {r["admission"] for r in stack} == {"always/always/always", "auto/auto/auto", "always/always/second-hit"}
+    assert all("disk_writes_per_block" in r for r in stack)
+
+
+def test_bench_replays_half_a_trace_without_a_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": r.timestamp, "input_length": 1, "output_length": 1,
+                                        "hash_ids": r.hash_ids}) + "\n" for r in TRACE))
+    assert trace_main(["--trace", str(path), "--part", "second-half", "--capacities", "3", "--policies", "lru",
+                       "--admissions", "always,tinylfu", "--disk-blocks", "0",
+                       "--stack-admissions", "second-hit/always/always"]) == 0
+    out = capsys.readouterr().out
+    assert "(second-half): 2 requests" in out and "lru+tinylfu" in out
+    assert "admission=second-hit/always " in out and "disk" not in out.split("tier stack")[1]
 
 
 def test_belady_evicts_the_deeper_of_two_blocks_used_again_together() -> None:

@@ -99,6 +99,7 @@ def test_kv_tier_metrics_come_from_the_manager_at_scrape_time() -> None:
     assert samples[("kvgate_kv_tier_capacity_bytes", (("tier", "host"),))] == 1 << 20
     assert samples[("kvgate_kv_tier_hits_total", (("tier", "host"),))] == 4
     assert samples[("kvgate_kv_tier_written_bytes_total", (("tier", "host"),))] > 0
+    assert samples[("kvgate_kv_tier_admission_rejects_total", (("tier", "host"),))] == 0
     assert samples[("kvgate_kv_hit_tokens_total", ())] == 16
     # Zeros compress well: the shrink codec stores far fewer bytes than the raw blocks.
     assert samples[("kvgate_kv_codec_ratio", (("tier", "host"),))] > 2

@@ -184,7 +184,8 @@ function render(data) {
     ["tier", (r) => r.name], ["up", (r) => (r.up ? "yes" : "no")], ["blocks", (r) => num(r.num_blocks)],
     ["used", (r) => bytes(r.used_bytes)], ["capacity", (r) => bytes(r.capacity_bytes)],
     ["occupancy", (r) => pct(r.occupancy)], ["hit ratio", (r) => pct(r.hit_ratio)],
-    ["evictions", (r) => num(r.evictions)], ["read", (r) => bytes(r.bytes_read)],
+    ["evictions", (r) => num(r.evictions)], ["refused", (r) => num(r.admission_rejects)],
+    ["read", (r) => bytes(r.bytes_read)],
     ["written", (r) => bytes(r.bytes_written)], ["codec ratio", (r) => (r.codec_ratio ? r.codec_ratio.toFixed(2) + "x" : "–")],
   ], data.kv_tiers);
   table($("table-upstreams"), [
