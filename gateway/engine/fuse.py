@@ -31,7 +31,8 @@ sequence's pool slot and runs steps 3-4 there on the engine's own forward pass,
 `LeanModel.recompute` (`lean.py`): the same layers and weight format (int4 by default) as a plain
 prefill, at the tokens' real positions, so fused and full prefill differ only by the reuse. The
 runner then computes the last prompt token as a decode step; its logits start the answer. Each
-layer runs once per computed token: the check pass is the first layers of the only pass. On the
+layer runs once per computed token: the check pass is the first layers of the only pass. `fill`
+runs whole, not cut into chunks like a prefill: sequences decoding beside it wait for it. On the
 transformers forward path (`engine.forward_path`) there is no pool: `as_cache` fills a one-slot
 pool of its own with a float32 `LeanModel` and hands the runner a transformers cache.
 
