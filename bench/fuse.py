@@ -3,10 +3,11 @@ context size).
 
 Quality: retrieval-style prompts from SQuAD 2.0 dev (`bench/squad_rag.py`): the gold passage
 among distractors (5 passages at ~2k tokens of context, 8 at ~4k), shuffled. Every passage's chunk
-KV is stored first; then each prompt is decoded greedily (`--max-tokens`) from a full prefill and
-from the fused cache: `accuracy` / `full_prefill_accuracy` = share of prompts whose answer holds a
-gold answer, `answer_agreement` = share whose greedy answers are identical, `next_token_kl` = mean
-KL(full || fused) of the first answer token's distribution.
+KV is stored first; then each prompt is decoded greedily (`--max-tokens`) on the engine's forward
+pass (`lean.py`, its default weights) from a full prefill and from the fused pool slot: `accuracy`
+/ `full_prefill_accuracy` = share of prompts whose answer holds a gold answer, `answer_agreement`
+= share whose greedy answers are identical, `next_token_kl` = mean KL(full || fused) of the first
+answer token's distribution.
 
 Speed: passages A, B, C, ... are sent once (their chunks get stored), then the same set reordered
 with one new passage; `ttft_s` is that request's time to its first token's logits through the
@@ -26,10 +27,11 @@ import time
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
 
 from bench.squad_rag import SquadPrompt, build_passages, build_prompts, correct, messages
 from gateway.engine.fuse import ChunkSpan, Fuser
+from gateway.engine.kvpool import KVPool
+from gateway.engine.lean import Feed, LeanModel
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.prompt import chat_ids_with_chunks
 from gateway.engine.runner import Generation, ModelRunner
@@ -52,20 +54,18 @@ def _manager(loaded: LoadedModel) -> KVCacheManager:
 
 
 @torch.inference_mode()
-def _greedy(loaded: LoadedModel, cache: Cache, ids: Sequence[int], start: int,
-            max_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy answer tokens and the first token's log-probabilities, continuing `cache` at `start`."""
-    model = loaded.model
-    logits = model(input_ids=torch.tensor([list(ids[start:])]), cache=cache, use_cache=True).logits[0, -1]
+def _greedy(lean: LeanModel, pool: KVPool, slot: int, ids: Sequence[int], start: int,
+            max_tokens: int, eos: set[int]) -> tuple[list[int], torch.Tensor]:
+    """Greedy answer tokens and the first token's log-probabilities, continuing the slot at `start`."""
+    logits = lean.forward(pool, [Feed(slot, start, list(ids[start:]))])[0]
     first = logits.float().log_softmax(-1)
     out: list[int] = []
-    eos = set(loaded.eos_token_ids)
     while len(out) < max_tokens:
         token = int(logits.argmax())
         out.append(token)
         if token in eos:
             break
-        logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+        logits = lean.forward(pool, [Feed(slot, len(ids) + len(out) - 1, [token])])[0]
     return out, first
 
 
@@ -82,9 +82,12 @@ def quality(loaded: LoadedModel, context_tokens: int, num_prompts: int, max_toke
     kv = _manager(loaded)
     fuser = Fuser(loaded, kv, recompute_share=0.15, check_layer=check_layer,
                   sink_tokens=EngineSettings().fuse_sink_tokens)
+    lean = fuser.lean  # the engine's forward pass, as it serves both
+    pool = KVPool(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device, num_slots=1)
+    eos = set(loaded.eos_token_ids)
     for passage in sorted({p for prompt in prompts for p in prompt.passages}):  # store each chunk's KV once
         ids, spans = _ids(loaded, texts, [passage])
-        fuser.store_missing(ids, fuser.fuse(ids, spans, SALT, recompute_share=1.0), SALT)
+        fuser.store_chunks(ids, fuser.missing(ids, spans, SALT), SALT)
     same: dict[float, int] = dict.fromkeys(shares, 0)
     right: dict[float, int] = dict.fromkeys(shares, 0)
     kls: dict[float, list[float]] = {s: [] for s in shares}
@@ -92,11 +95,16 @@ def quality(loaded: LoadedModel, context_tokens: int, num_prompts: int, max_toke
     for prompt in prompts:
         ids, spans = chat_ids_with_chunks(loaded.tokenizer, messages(texts, prompt))
         sizes.append(len(ids))
-        full, full_logp = _greedy(loaded, DynamicCache(), ids, 0, max_tokens)
+        slot = pool.allocate()
+        full, full_logp = _greedy(lean, pool, slot, ids, 0, max_tokens, eos)
+        pool.free(slot)
         full_right += correct(loaded.tokenizer.decode(full), prompt.answers)
         for share in shares:
-            fused = fuser.fuse(ids, spans, SALT, recompute_share=share)
-            answer, logp = _greedy(loaded, fused.cache, ids, fused.num_tokens, max_tokens)
+            fused = fuser.prepare(ids, spans, SALT, recompute_share=share)
+            slot = pool.allocate()
+            fuser.fill(fused, pool, slot)
+            answer, logp = _greedy(lean, pool, slot, ids, fused.num_tokens, max_tokens, eos)
+            pool.free(slot)
             same[share] += answer == full
             right[share] += correct(loaded.tokenizer.decode(answer), prompt.answers)
             kls[share].append(float(torch.sum(full_logp.exp() * (full_logp - logp))))

@@ -24,14 +24,23 @@ K after re-rotation matches a full prefill exactly (0.000), so the positions are
 16 tokens per chunk brings the question tokens' last-layer V deviation from 0.33 to 0.22. They
 count towards the share: `recompute_share` of the loaded chunk tokens, sinks first.
 
-At share 1.0 every token is recomputed and the cache is a full prefill's. At 0 no check pass
-runs: reused KV is only re-positioned. The KV of positions after the first reused chunk is an
-approximation, so only the head before it is ever stored as prefix blocks; chunks that were not
-cached are computed on their own and stored after the answer (`store_missing`), off the TTFT path.
+What runs where. `prepare` (on the scheduler's restore thread, beside the running batch) does the
+lookups and loads: the head's blocks, each chunk's KV, which tokens to compute. `fill` (on the
+model thread, which owns the KV pool) writes the head and the re-rotated chunks straight into the
+sequence's pool slot and runs steps 3-4 there on the engine's own forward pass,
+`LeanModel.recompute` (`lean.py`): the same layers and weight format (int4 by default) as a plain
+prefill, at the tokens' real positions, so fused and full prefill differ only by the reuse. The
+runner then computes the last prompt token as a decode step; its logits start the answer. Each
+layer runs once per computed token: the check pass is the first layers of the only pass. `fill`
+runs whole, not cut into chunks like a prefill: sequences decoding beside it wait for it. On the
+transformers forward path (`engine.forward_path`) there is no pool: `as_cache` fills a one-slot
+pool of its own with a float32 `LeanModel` and hands the runner a transformers cache.
 
-The layer loop drives the model's own decoder layers (`model.model.layers`, Llama-style:
-embed_tokens, rotary_emb, layers taking `position_embeddings` and `cache`), so attention, norms
-and MLPs are the model's code; only the cache and the mask are fusion's.
+At share 1.0 every token is recomputed and the cache is a full prefill's; the runner does not fuse
+then (`approximates`): a plain prefill after a prefix restore is the same KV without chunk loads.
+At 0 no check pass runs: reused KV is only re-positioned. The KV of positions after the first
+reused chunk is an approximation, so it is never stored as prefix blocks; chunks that were not
+cached are computed on their own and stored after the answer (`store_missing`), off the TTFT path.
 """
 
 from __future__ import annotations
@@ -40,11 +49,12 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import DynamicCache
 
+from gateway.engine.kvpool import KVPool
+from gateway.engine.lean import Feed, LeanModel, Selection, supports
 from gateway.engine.model import LoadedModel
 from gateway.kvcache.blocks import stack_layers
 from gateway.kvcache.chunks import ChunkStore
@@ -61,47 +71,35 @@ class ChunkSpan:
 
 
 @dataclass(slots=True)
+class FusionInputs:
+    """What `Fuser.fill` writes and computes: the head's KV (`[L, 2, heads, num_head, head_dim]`)
+    for positions [0, num_head), each loaded chunk's KV at positions 0..m-1 with the start it
+    moves to, and the tokens to compute (`ids[positions]`, narrowed by `select` if given)."""
+
+    ids: torch.Tensor
+    head: torch.Tensor | None
+    chunks: list[tuple[int, torch.Tensor]]
+    positions: torch.Tensor
+    select: Selection | None
+
+
+@dataclass(slots=True)
 class FusedPrefix:
-    """What `Fuser.fuse` hands the runner: `cache` covers positions [0, num_tokens).
+    """What `Fuser.prepare` hands the runner: the plan for positions [0, num_tokens) of a prompt.
 
     `num_restored` head tokens came from the prefix cache and `num_fused` chunk tokens from the
-    chunk cache without being recomputed; [0, exact_tokens) holds exact KV (safe to store as
-    prefix blocks); `missing` are the chunks to compute on their own and store after the answer.
+    chunk cache without being recomputed; [0, exact_tokens) holds exact KV; `missing` are the
+    chunks to compute on their own and store after the answer. `inputs` is dropped once filled.
     """
 
-    cache: Cache
     num_tokens: int
+    inputs: FusionInputs | None = None
     num_restored: int = 0
     num_fused: int = 0
     num_recomputed: int = 0
     exact_tokens: int = 0
     tiers: list[str] = field(default_factory=list)
     missing: list[ChunkSpan] = field(default_factory=list)
-
-
-class _FusionKV:
-    """Whole-prompt K/V buffers per layer. Each layer's `update` writes the rows just computed
-    (at `positions`) over whatever was there and returns the full buffers, so the computed tokens
-    attend to the head, the reused chunks and each other alike. On `check_layer` it first measures
-    how far each computed token's fresh V is from the V it replaces."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], check_layer: int | None) -> None:
-        self.keys = keys
-        self.values = values
-        self.check_layer = check_layer
-        self.positions = torch.empty(0, dtype=torch.long)
-        self.deviation: torch.Tensor | None = None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.positions
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if layer_idx == self.check_layer:
-            old = values[:, :, idx].float()
-            self.deviation = (value_states.float() - old).pow(2).sum(dim=(0, 1, 3))
-        keys[:, :, idx] = key_states.to(keys.dtype)
-        values[:, :, idx] = value_states.to(values.dtype)
-        return keys, values
 
 
 def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,41 +114,34 @@ class Fuser:
                  check_layer: int, sink_tokens: int = 0) -> None:
         if not 0 <= recompute_share <= 1:
             raise ValueError("recompute_share must be within [0, 1]")
+        if not supports(loaded.model):
+            raise ValueError("KV fusion needs a Llama-style decoder without biases (what engine/lean.py computes)")
         self.loaded = loaded
         self.kv = kv
         self.chunks = ChunkStore(kv)
         self.recompute_share = recompute_share
         self.sink_tokens = sink_tokens
         self.check_layer = min(check_layer, loaded.num_layers - 1)
-        inner = getattr(loaded.model, "model", None)
-        if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers")):
-            raise ValueError("KV fusion needs a Llama-style decoder (model.model.embed_tokens/rotary_emb/layers)")
-        self._inner: Any = inner
+        # The transformers forward path has no LeanModel: fusion computes on an exact one of its own.
+        self.lean = loaded.lean if loaded.lean is not None else LeanModel(loaded.model, "float32")
 
     def approximates(self, recompute_share: float | None) -> bool:
         """Whether a request at this share is fused. At 1.0 fusion would recompute every token:
         a plain prefill after a prefix restore is the same KV on the engine's own forward, without
-        chunk loads or a second pass (measured 2.7x a plain prefill through `fuse`); the runner
+        chunk loads or a check pass (measured 2.7x a plain prefill when fusion ran transformers'
+        layers); the runner
         then only stores the chunks not yet cached, after the answer."""
         return (self.recompute_share if recompute_share is None else recompute_share) < 1.0
 
-    # ------------------------------------------------------------------ positions
-
     def _rotation(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (float32, `[head_dim]`) of a rotation by `delta` positions."""
-        rotary = self._inner.rotary_emb
+        rotary = self.lean.rotary
         probe = torch.zeros(1, dtype=torch.float32, device=self.loaded.device)
         cos, sin = rotary(probe, position_ids=torch.tensor([[delta]], device=self.loaded.device))
         scale = float(getattr(rotary, "attention_scaling", 1.0)) or 1.0
         return cos[0, 0].float() / scale, sin[0, 0].float() / scale
 
-    @staticmethod
-    def _mask(positions: torch.Tensor, length: int) -> torch.Tensor:
-        """Causal by real position: query at p sees keys 0..p. `[1, 1, q, length]`, True = attend."""
-        keys = torch.arange(length, device=positions.device)
-        return (keys[None, :] <= positions[:, None])[None, None]
-
-    # ------------------------------------------------------------------ fuse
+    # ------------------------------------------------------------------ prepare (restore thread)
 
     def _head(self, salt: str, prompt_ids: Sequence[int], end: int) -> tuple[torch.Tensor | None, int, list[str]]:
         """The prefix-cached part of prompt_ids[:end]: `[L, 2, H, n, D]`, n, tiers."""
@@ -171,13 +162,13 @@ class Fuser:
         return prefix.kv(), prefix.num_tokens, found.tiers[: prefix.num_tokens // size]
 
     @torch.inference_mode()
-    def fuse(self, prompt_ids: Sequence[int], spans: Sequence[ChunkSpan], salt: str,
-             recompute_share: float | None = None, sink_tokens: int | None = None) -> FusedPrefix:
-        """The model cache for prompt_ids[:-1] (the last token is left for the caller to compute:
-        its logits start the answer), with cached chunks reused at their positions."""
+    def prepare(self, prompt_ids: Sequence[int], spans: Sequence[ChunkSpan], salt: str,
+                recompute_share: float | None = None, sink_tokens: int | None = None) -> FusedPrefix:
+        """Find and load what prompt_ids[:-1] reuses (the last token is left for the caller: its
+        logits start the answer) and choose the tokens to compute; `fill` computes them."""
         share = self.recompute_share if recompute_share is None else recompute_share
         sinks = self.sink_tokens if sink_tokens is None else sink_tokens
-        device, loaded = self.loaded.device, self.loaded
+        device = self.loaded.device
         n = len(prompt_ids) - 1
         spans = sorted((ChunkSpan(s.start, min(s.end, n)) for s in spans if s.start < min(s.end, n)),
                        key=lambda s: s.start)
@@ -187,15 +178,8 @@ class Fuser:
         first = spans[0].start if spans else n
         head_kv, num_head, tiers = self._head(salt, prompt_ids, first)
 
-        shape = (1, loaded.num_kv_heads, n, loaded.head_dim)
-        keys = [torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(loaded.num_layers)]
-        values = [torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(loaded.num_layers)]
-        if head_kv is not None:
-            for i in range(loaded.num_layers):
-                keys[i][0, :, :num_head] = head_kv[i, 0].to(device)
-                values[i][0, :, :num_head] = head_kv[i, 1].to(device)
-
         reused = torch.zeros(n, dtype=torch.bool, device=device)
+        chunks: list[tuple[int, torch.Tensor]] = []
         missing: list[ChunkSpan] = []
         num_loaded = 0
         for span in spans:
@@ -205,12 +189,8 @@ class Fuser:
             if chunk.kv is None:
                 continue
             tiers.extend(chunk.tiers)
+            chunks.append((span.start, chunk.kv))
             end = span.start + chunk.num_tokens
-            cos, sin = self._rotation(span.start)
-            for i in range(loaded.num_layers):
-                k = chunk.kv[i, 0].to(device).float()
-                keys[i][0, :, span.start : end] = rotate_keys(k, cos, sin).to(loaded.dtype)
-                values[i][0, :, span.start : end] = chunk.kv[i, 1].to(device)
             reused[span.start : end] = True
             # The chunk's first tokens were an attention sink on their own: always recomputed.
             reused[span.start : min(end, span.start + sinks)] = False
@@ -221,44 +201,50 @@ class Fuser:
 
         positions = torch.arange(num_head, n, device=device)
         num_keep = max(0, math.ceil(share * num_loaded) - num_sinks)
-        select = 0 < num_keep < num_reused
+        select = None
         if num_keep == 0:
             positions = positions[~reused[num_head:]]
-        fusion = _FusionKV(keys, values, self.check_layer if select else None)
-        if len(positions):
-            self._run_layers(prompt_ids, fusion, positions, reused, num_keep if select else None, n)
-        cache = DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True)))
+        elif num_keep < num_reused:
+            select = Selection(self.check_layer, reused[num_head:], num_keep)
         num_recomputed = min(num_keep, num_reused) + num_sinks
+        inputs = FusionInputs(torch.tensor(list(prompt_ids[:n]), dtype=torch.long, device=device), head_kv,
+                              chunks, positions, select)
         return FusedPrefix(
-            cache=cache, num_tokens=n, num_restored=num_head, num_fused=num_loaded - num_recomputed,
+            num_tokens=n, inputs=inputs, num_restored=num_head, num_fused=num_loaded - num_recomputed,
             num_recomputed=num_recomputed, exact_tokens=exact, tiers=tiers, missing=missing,
         )
 
-    def _run_layers(self, prompt_ids: Sequence[int], fusion: _FusionKV, positions: torch.Tensor,
-                    reused: torch.Tensor, num_keep: int | None, n: int) -> None:
-        """Run every decoder layer for the tokens at `positions`; after the check layer, narrow
-        them to the `num_keep` most deviating reused tokens plus all the others (when selecting)."""
-        inner = self._inner
-        ids = torch.tensor(prompt_ids[:n], device=self.loaded.device)
-        hidden = inner.embed_tokens(ids[positions][None])
+    # ------------------------------------------------------------------ fill (model thread)
 
-        def bind(pos: torch.Tensor) -> tuple[Any, torch.Tensor]:
-            fusion.positions = pos
-            return inner.rotary_emb(hidden, position_ids=pos[None]), self._mask(pos, n)
+    @torch.inference_mode()
+    def fill(self, fused: FusedPrefix, pool: KVPool, slot: int) -> None:
+        """Write the head and the re-rotated chunks into the slot, then compute the chosen tokens
+        in place: the slot holds the fused KV of [0, num_tokens). On the pool's own thread."""
+        inputs = fused.inputs
+        if inputs is None:
+            raise ValueError("this fused prefix was filled already")
+        fused.inputs = None  # the loaded KV is not needed past this point
+        pool.reserve(fused.num_tokens)
+        if inputs.head is not None:
+            head = inputs.head.to(pool.device)
+            pool.place(slot, 0, head[:, 0], head[:, 1])
+        for start, kv in inputs.chunks:
+            kv = kv.to(pool.device)
+            cos, sin = self._rotation(start)
+            pool.place(slot, start, rotate_keys(kv[:, 0].float(), cos, sin), kv[:, 1])
+        self.lean.recompute(pool, slot, inputs.ids[inputs.positions], inputs.positions, inputs.select)
+        pool.lengths[slot] = fused.num_tokens
 
-        embeddings, mask = bind(positions)
-        for i, layer in enumerate(inner.layers):
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions[None], cache=fusion,
-                           use_cache=True, position_embeddings=embeddings)
-            if num_keep is not None and i == fusion.check_layer and i + 1 < len(inner.layers):
-                assert fusion.deviation is not None
-                was_reused = reused[positions]
-                deviation = torch.where(was_reused, fusion.deviation, torch.full_like(fusion.deviation, -1.0))
-                top = torch.topk(deviation, num_keep).indices
-                keep = ~was_reused
-                keep[top] = True
-                positions, hidden = positions[keep], hidden[:, keep]
-                embeddings, mask = bind(positions)
+    def as_cache(self, fused: FusedPrefix) -> DynamicCache:
+        """The fused KV as a transformers cache, for the transformers forward path (no pool):
+        filled in a one-slot pool of its own."""
+        loaded, n = self.loaded, fused.num_tokens
+        pool = KVPool(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device,
+                      num_slots=1, capacity=max(n, 1))
+        slot = pool.allocate()
+        self.fill(fused, pool, slot)
+        return DynamicCache(ddp_cache_data=[(k[slot : slot + 1, :, :n], v[slot : slot + 1, :, :n])
+                                            for k, v in zip(pool.keys, pool.values, strict=True)])
 
     # ------------------------------------------------------------------ store
 
@@ -278,19 +264,24 @@ class Fuser:
 
     @torch.inference_mode()
     def store_chunks(self, prompt_ids: Sequence[int], spans: Sequence[ChunkSpan], salt: str) -> int:
-        """Compute each of `spans` on its own (positions from 0) and store it; returns the chunk
-        tokens newly stored."""
+        """Compute each of `spans` on its own (positions from 0, on the same forward pass as a
+        plain prefill, in a one-slot pool of its own) and store it; returns the chunk tokens newly
+        stored."""
         stored = 0
         size = self.kv.keyer.block_size
+        loaded = self.loaded
         for span in spans:
             ids = list(prompt_ids[span.start : span.end])
-            cache = DynamicCache()
-            self.loaded.model(input_ids=torch.tensor([ids], device=self.loaded.device), cache=cache, use_cache=True)
-            layers = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers]
-            if any(k is None or v is None for k, v in layers):
+            if not ids:
                 continue
+            pool = KVPool(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device,
+                          num_slots=1, capacity=len(ids))
+            slot = pool.allocate()
+            self.lean.forward(pool, [Feed(slot, 0, ids)])
+            n = len(ids)
+            kv = stack_layers([(k[slot, :, :n], v[slot, :, :n]) for k, v in zip(pool.keys, pool.values, strict=True)])
             try:
-                new_blocks = self.chunks.store(salt, ids, stack_layers(layers))  # type: ignore[arg-type]
+                new_blocks = self.chunks.store(salt, ids, kv)
             except KVCacheError:
                 continue
             stored += min(len(ids), new_blocks * size)

@@ -1,9 +1,10 @@
 """The running sequences' KV: one preallocated buffer per layer, a slot per sequence.
 
 Layer i holds K and V as `[num_slots, num_kv_heads, capacity, head_dim]`. A sequence owns a
-slot from `start` to `finish`; a step writes its new K/V rows in place (`write`), and the decode
-attention of the whole batch reads the occupied slots as one strided view, `[:num_used, :, :length]`,
-with a mask for each slot's own length: no per-step concatenation, no per-sequence call.
+slot from `start` to `finish`; a step writes its new K/V rows in place (`LeanModel.forward`),
+and the decode attention of the whole batch reads the occupied slots as one strided view,
+`[:num_used, :, :length]`, with a mask for each slot's own length: no per-step concatenation, no
+per-sequence call.
 
 Why slots and not pages: attention over pages needs a gather (a copy of every sequence's KV per
 layer per step) or a paged kernel, which torch on CPU does not have. A slot wastes the capacity
@@ -12,8 +13,9 @@ pool, rare) and starts small. The cost: while one long sequence runs, every slot
 (16 slots x 8,192 positions of SmolLM2 in float32 is 6 GB); a pool past `SHRINK_FROM_BYTES` goes
 back to its first size whenever it empties.
 
-Restored prefixes (tiers), fused caches (KV Fuse) and stores read and write slots through
-`load` / `read`; the pool is used by one thread (the model thread) only.
+Restored prefixes (tiers) arrive through `load_cache`, KV Fuse writes its head and re-rotated
+chunks through `place` (then recomputes rows in place), stores copy out through `read`; the pool
+is used by one thread (the model thread) only.
 """
 
 from __future__ import annotations
@@ -102,6 +104,15 @@ class KVPool:
         self.reserve(n)
         self.keys[layer][slot, :, :n] = k.reshape(self.num_kv_heads, n, self.head_dim)
         self.values[layer][slot, :, :n] = v.reshape(self.num_kv_heads, n, self.head_dim)
+
+    def place(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put K and V of every layer (`[num_layers, heads, n, head_dim]`) at positions
+        [start, start + n) of the slot; its length is the caller's to set."""
+        end = start + int(keys.shape[-2])
+        self.reserve(end)
+        for i in range(self.num_layers):
+            self.keys[i][slot, :, start:end] = keys[i]
+            self.values[i][slot, :, start:end] = values[i]
 
     def load_cache(self, slot: int, cache: Cache | None, num_tokens: int) -> Callable[[int], None] | None:
         """Copy a transformers cache of `num_tokens` positions (a restored prefix, a fused one)

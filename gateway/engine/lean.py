@@ -16,6 +16,11 @@ its slot in place, and attention runs
   each slot masked to its own length;
 - for each prefilling chunk on its own (a chunk is many tokens; its call is amortized).
 
+`recompute` is KV Fuse's pass (`fuse.py`): one sequence's tokens at scattered positions, the
+slot's other rows already holding reused KV; each token attends by real position, its fresh K/V
+rows overwrite the slot's, and after a check layer only the tokens whose reused KV deviates most
+go on (CacheBlend's selection).
+
 Q and K are fused into one rotation, Q/K/V into one matrix product, gate and up into another.
 """
 
@@ -43,6 +48,17 @@ class Feed:
     start: int
     tokens: Sequence[int]
     install: Callable[[int], None] | None = None
+
+
+@dataclass(slots=True)
+class Selection:
+    """CacheBlend's narrowing of a `recompute`: on `check_layer`, each computed token's fresh V is
+    compared with the V its slot row held (reused KV); the layers after it run only for the
+    `num_keep` most deviating tokens among those marked `reused` plus every token not marked."""
+
+    check_layer: int
+    reused: torch.Tensor  # bool, one per computed token
+    num_keep: int
 
 
 @dataclass(slots=True)
@@ -93,20 +109,21 @@ class LeanModel:
             ))
         self.head_weight: torch.Tensor = model.get_output_embeddings().weight.detach()  # type: ignore[operator]
         self.head = Linear(self.head_weight, weights)
-        self._cos = torch.empty(0, self.head_dim)
-        self._sin = torch.empty(0, self.head_dim)
+        # cos and signed sin per position, one attribute: a reader on another thread (a fusion
+        # on the restore thread) never sees one table grown and the other not.
+        self._rope_table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
 
     def _rope(self, positions: torch.Tensor, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin `[T, 1, head_dim]` (rotate_half(x) * sin == x.roll(D/2) * signed sin)."""
-        if upto > self._cos.shape[0]:
-            size = max(upto, 2 * self._cos.shape[0], 1024)
+        table = self._rope_table
+        if upto > table[0].shape[0]:
+            size = max(upto, 2 * table[0].shape[0], 1024)
             probe = torch.zeros(1, dtype=torch.float32, device=self.embed.device)
             cos, sin = self.rotary(probe, position_ids=torch.arange(size, device=self.embed.device)[None])
             half = self.head_dim // 2
             sin = sin[0].float()
-            self._cos = cos[0].float()
-            self._sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        return self._cos[positions][:, None], self._sin[positions][:, None]
+            table = self._rope_table = (cos[0].float(), torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))
+        return table[0][positions][:, None], table[1][positions][:, None]
 
     @torch.inference_mode()
     def forward(self, pool: KVPool, feeds: Sequence[Feed]) -> torch.Tensor:
@@ -165,6 +182,60 @@ class LeanModel:
         for sorted_index, original in enumerate(order):
             restore[original] = sorted_index
         return logits[restore] if order != sorted(order) else logits
+
+    @torch.inference_mode()
+    def recompute(self, pool: KVPool, slot: int, tokens: Sequence[int] | torch.Tensor, positions: torch.Tensor,
+                  select: Selection | None = None) -> None:
+        """Run every layer for `tokens` at `positions` (ascending, any gaps) of the sequence in
+        `slot`, whose rows below the last position already hold KV (a restored head, reused
+        chunks): each token attends to every row up to its own position, and its fresh K/V rows
+        overwrite the slot's, layer by layer. With `select`, the layers after its check layer run
+        for the tokens it keeps only; the others' rows there stay as they were."""
+        if not len(positions):
+            return
+        device = self.embed.device
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_width, kv_width = heads * dim, kv_heads * dim
+        positions = positions.to(device)
+        pool.reserve(int(positions[-1]) + 1)
+        x = self.embed[torch.as_tensor(tokens, device=device)]
+        cos, sin, mask = self._at(positions)
+        for i, layer in enumerate(self.layers):
+            t = x.shape[0]
+            qkv = layer.qkv(F.rms_norm(x, (self.hidden,), layer.attn_norm, self.eps))
+            qk = qkv[:, : q_width + kv_width].reshape(t, heads + kv_heads, dim)
+            qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin
+            v = qkv[:, q_width + kv_width :].reshape(t, kv_heads, dim)
+            keys, values = pool.keys[i][slot], pool.values[i][slot]  # [kv_heads, capacity, dim] views
+            deviation = None
+            if select is not None and i == select.check_layer:
+                deviation = (v.transpose(0, 1) - values[:, positions].float()).pow(2).sum(dim=(0, 2))
+            keys[:, positions] = qk[:, heads:].transpose(0, 1).to(pool.dtype)
+            values[:, positions] = v.transpose(0, 1).to(pool.dtype)
+            length = int(positions[-1]) + 1
+            out = F.scaled_dot_product_attention(
+                qk[:, :heads].transpose(0, 1)[None].to(keys.dtype), keys[None, :, :length], values[None, :, :length],
+                attn_mask=mask, enable_gqa=True)
+            x = x + layer.out(out[0].transpose(0, 1).reshape(t, q_width).to(x.dtype))
+            gate, up = layer.gate_up(F.rms_norm(x, (self.hidden,), layer.mlp_norm, self.eps)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+            if deviation is not None and select is not None and i + 1 < len(self.layers):
+                keep = ~select.reused
+                if select.num_keep:
+                    candidates = torch.where(select.reused, deviation, torch.full_like(deviation, -1.0))
+                    keep[torch.topk(candidates, min(select.num_keep, t)).indices] = True
+                positions, x = positions[keep], x[keep]
+                if not len(positions):
+                    return
+                cos, sin, mask = self._at(positions)
+
+    def _at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, signed sin and the attention mask (causal by real position, `[T, last + 1]`) of
+        tokens at `positions`."""
+        length = int(positions[-1]) + 1
+        cos, sin = self._rope(positions, length)
+        mask = torch.arange(length, device=positions.device)[None, :] <= positions[:, None]
+        return cos, sin, mask
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The vocabulary head. Through a lossy format (the head ships as Q8_0, not on int4's grid)

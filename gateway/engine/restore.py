@@ -1,20 +1,21 @@
 """Where a sequence starts: its longest prefix restored from the KV tiers, as a transformers cache.
 
-The runner copies what this returns into the sequence's pool slot (`KVPool.load_cache`); a long
-prefix arrives layer by layer (`prefetch.py`) and each layer is copied just before it first runs,
-so the restore overlaps the forward pass.
+The runner copies what this returns into the sequence's pool slot (`into_pool`); a long prefix
+arrives layer by layer (`prefetch.py`) and each layer is copied just before it first runs, so the
+restore overlaps the forward pass. A fused prefix (KV Fuse) is computed into the slot instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from gateway.engine.fuse import FusedPrefix
+from gateway.engine.fuse import FusedPrefix, Fuser
+from gateway.engine.kvpool import KVPool
 from gateway.engine.model import LoadedModel
 from gateway.engine.prefetch import layerwise_cache
 from gateway.kvcache.blocks import LoadedPrefix
@@ -28,13 +29,31 @@ class InitialCache:
     """Where a sequence starts: a model cache covering its first `num_tokens` prompt positions.
 
     A prefix restore builds one (`ModelRunner.initial_cache`); a caller may hand one in instead
-    (`Generation.initial`, e.g. chunk fusion), and the sequence prefills from `num_tokens` on.
+    (`Generation.initial`), and the sequence prefills from `num_tokens` on. A fused prefix on the
+    lean path has no cache yet: `fused` is computed into the sequence's pool slot when it starts.
     `restored_from` names the tier of each restored block (empty when not restored)."""
 
-    cache: Cache
+    cache: Cache | None
     num_tokens: int
     restored_from: list[str] = field(default_factory=list)
     fused: FusedPrefix | None = None  # set when marked chunks were fused into it (KV Fuse)
+
+
+def into_pool(initial: InitialCache, pool: KVPool, fuser: Fuser | None) -> tuple[int, Callable[[int], None] | None]:
+    """A slot of `pool` holding the start: a fused prefix computed into it (`Fuser.fill`), else
+    the cache copied in (`KVPool.load_cache`, whose `install` brings layers still arriving); the
+    slot, and that `install`. On the pool's thread; a failure gives the slot back."""
+    slot = pool.allocate()
+    try:
+        if initial.fused is not None and initial.fused.inputs is not None:
+            if fuser is None:
+                raise ValueError("a fused prefix to fill, and no fuser")
+            fuser.fill(initial.fused, pool, slot)
+            return slot, None
+        return slot, pool.load_cache(slot, initial.cache, initial.num_tokens)
+    except BaseException:
+        pool.free(slot)
+        raise
 
 
 def restore_prefix(loaded: LoadedModel, kv: KVCacheManager, salt: str, prompt_ids: Sequence[int], empty: Cache, *,

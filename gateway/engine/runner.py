@@ -1,10 +1,11 @@
 """Generations on the model, their prompt prefix restored from the tiered KV cache.
 
-A generation goes: `initial_cache` (a prefix restore, or a cache handed in, e.g. by chunk fusion)
--> `start` (a running `Sequence`) -> `step` (shared with other sequences: prefill chunks and decode
-tokens of several sequences in one forward pass, see `batch.py`) until done -> `finish` (its new
-full blocks, the answer's included, go to the write-behind queue, so that the next turn of a
-conversation finds the previous turn in cache and nobody waits for the write).
+A generation goes: `initial_cache` (a prefix restore, a cache handed in, or chunk fusion's loads)
+-> `start` (a running `Sequence` in a pool slot, a fused prefix computed there) -> `step` (shared
+with other sequences: prefill chunks and decode tokens of several sequences in one forward pass,
+see `batch.py`) until done -> `finish` (its new full blocks, the answer's included, go to the
+write-behind queue, so the next turn of a conversation finds the previous turn in cache and nobody
+waits for the write).
 
 `run` drives one generation alone on the calling thread; the batch scheduler (`scheduler.py`)
 drives many on its model thread.
@@ -30,7 +31,7 @@ from gateway.engine.fuse import ChunkSpan, FusedPrefix, Fuser
 from gateway.engine.kvpool import KVPool
 from gateway.engine.lean import Feed
 from gateway.engine.model import LoadedModel
-from gateway.engine.restore import InitialCache, restore_prefix
+from gateway.engine.restore import InitialCache, into_pool, restore_prefix
 from gateway.engine.sampling import Sampler, SamplingParams, TextStream
 from gateway.kvcache.blocks import stack_layers
 from gateway.kvcache.errors import KVCacheError
@@ -125,8 +126,9 @@ class ModelRunner:
             return gen.initial
         if gen.chunks and self.fuser is not None and self.fuser.approximates(gen.recompute_share):
             # The fusion seam: marked chunks are reused at their new positions (engine/fuse.py).
-            fused = self.fuser.fuse(gen.prompt_ids, gen.chunks, gen.salt, gen.recompute_share)
-            return InitialCache(fused.cache, fused.num_tokens, fused.tiers, fused)
+            fused = self.fuser.prepare(gen.prompt_ids, gen.chunks, gen.salt, gen.recompute_share)
+            cache = self.fuser.as_cache(fused) if self.pool is None else None  # else computed in `start`
+            return InitialCache(cache, fused.num_tokens, fused.tiers, fused)
         if self.kv is None:
             return InitialCache(self.empty_cache(), 0)
         return restore_prefix(self.loaded, self.kv, gen.salt, gen.prompt_ids, self.empty_cache(), writer=self.writer,
@@ -144,8 +146,7 @@ class ModelRunner:
             pending=gen.prompt_ids[initial.num_tokens :], fused=initial.fused,
         )
         if self.pool is not None:
-            seq.slot = self.pool.allocate()
-            seq.install = self.pool.load_cache(seq.slot, initial.cache, initial.num_tokens)
+            seq.slot, seq.install = into_pool(initial, self.pool, self.fuser)
             seq.cache = None
         return seq
 

@@ -111,10 +111,11 @@ class BatchScheduler:
             assert entry.restored is not None
             try:
                 initial = entry.restored.result()
-            except Exception as exc:  # a failed restore fails its request only
+                seq = self.runner.start(entry.gen, initial, entry.submitted)  # a fused prefix computes here
+            except Exception as exc:  # a failed restore or fusion fails its request only
                 entry.future.set_exception(exc)
                 continue
-            self._running.append((entry, self.runner.start(entry.gen, initial, entry.submitted)))
+            self._running.append((entry, seq))
 
     def _resolve_cancelled(self, entry: _Entry) -> None:
         seq = self.runner.start(entry.gen, InitialCache(self.runner.empty_cache(), 0), entry.submitted)

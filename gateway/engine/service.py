@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from gateway.engine.fuse import Fuser
+from gateway.engine.lean import supports
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.runner import ModelRunner
 from gateway.engine.scheduler import BatchScheduler, EngineWorker
@@ -54,8 +55,12 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
         writer = WriteBehindQueue(kv, max_pending_blocks=kv_settings.write_behind_max_blocks)
     fuser = None
     if kv is not None and settings.fuse_enabled:
-        fuser = Fuser(loaded, kv, recompute_share=settings.fuse_recompute_share,
-                      check_layer=settings.fuse_check_layer, sink_tokens=settings.fuse_sink_tokens)
+        if supports(loaded.model):
+            fuser = Fuser(loaded, kv, recompute_share=settings.fuse_recompute_share,
+                          check_layer=settings.fuse_check_layer, sink_tokens=settings.fuse_sink_tokens)
+        else:  # fusion computes on lean.py's forward pass
+            log.warning("%s is not a Llama-style decoder: KV fusion is off, marked chunks are prefilled",
+                        loaded.model_id)
     runner = ModelRunner(loaded, kv, layerwise_min_tokens=settings.layerwise_min_tokens, writer=writer,
                          read_wait_s=kv_settings.write_behind_read_wait_s, fuser=fuser)
     recompute_s = runner.measure_recompute_s_per_token()

@@ -25,17 +25,19 @@ def loaded_model() -> LoadedModel:
 
 @pytest.fixture
 def make_runner(loaded_model: LoadedModel) -> Iterator[Callable[..., ModelRunner]]:
-    """`make_runner(layerwise_min_tokens=..., fuse_share=..., **kvcache_fields)`: a runner over those
-    tiers only; with `fuse_share` it fuses marked chunks at that recompute share."""
+    """`make_runner(layerwise_min_tokens=..., fuse_share=..., loaded=..., **kvcache_fields)`: a runner
+    over those tiers only; with `fuse_share` it fuses marked chunks at that recompute share; `loaded`
+    replaces the session's model (e.g. the same one without its lean forward pass)."""
     made: list[ModelRunner] = []
 
-    def make(layerwise_min_tokens: int = 100_000, fuse_share: float | None = None, **fields: object) -> ModelRunner:
+    def make(layerwise_min_tokens: int = 100_000, fuse_share: float | None = None, loaded: LoadedModel | None = None,
+             **fields: object) -> ModelRunner:
+        model = loaded_model if loaded is None else loaded
         settings = KVCacheSettings(**{**NO_TIERS, **fields})
-        layout = BlockLayout(loaded_model.num_layers, loaded_model.num_kv_heads, loaded_model.head_dim,
-                             settings.block_size, loaded_model.dtype)
-        kv = build_manager(settings, model_id=loaded_model.model_id, layout=layout)
-        fuser = None if fuse_share is None else Fuser(loaded_model, kv, recompute_share=fuse_share, check_layer=1)
-        runner = ModelRunner(loaded_model, kv, layerwise_min_tokens=layerwise_min_tokens, fuser=fuser)
+        layout = BlockLayout(model.num_layers, model.num_kv_heads, model.head_dim, settings.block_size, model.dtype)
+        kv = build_manager(settings, model_id=model.model_id, layout=layout)
+        fuser = None if fuse_share is None else Fuser(model, kv, recompute_share=fuse_share, check_layer=1)
+        runner = ModelRunner(model, kv, layerwise_min_tokens=layerwise_min_tokens, fuser=fuser)
         made.append(runner)
         return runner
 

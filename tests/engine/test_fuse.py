@@ -1,15 +1,19 @@
-"""KV Fuse on the real model: chunks reused wherever they sit, exact at recompute share 1.0,
-never shared between tenants unless configured."""
+"""KV Fuse on the real model: chunks reused wherever they sit, exact at recompute share 1.0 (the
+runner's plain prefill, and `fill` recomputing every token, which writes a plain prefill's KV
+into the pool slot), re-rotated keys exact, chunk starts recomputed in context, never shared
+between tenants unless configured."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from gateway.engine.fuse import ChunkSpan, Fuser, rotate_keys
+from gateway.engine.fuse import ChunkSpan, FusedPrefix, rotate_keys
+from gateway.engine.lean import Feed
 from gateway.engine.model import LoadedModel
 from gateway.engine.prompt import chat_ids_with_chunks
 from gateway.engine.runner import Generation, GenerationResult, ModelRunner
@@ -50,7 +54,30 @@ def full_prefill(loaded: LoadedModel, ids: list[int]) -> GenerationResult:
         runner.close()
 
 
-def test_rope_rerotation_moves_keys_to_their_new_position(loaded_model: LoadedModel) -> None:
+def plain_slot(runner: ModelRunner, ids: list[int]) -> tuple[int, torch.Tensor]:
+    """A plain lean prefill of ids[:-1] in a slot of the runner's pool; the slot and the logits of
+    the last token fed after it."""
+    assert runner.lean is not None and runner.pool is not None
+    slot = runner.pool.allocate()
+    runner.lean.forward(runner.pool, [Feed(slot, 0, ids[:-1])])
+    return slot, runner.lean.forward(runner.pool, [Feed(slot, len(ids) - 1, ids[-1:])])[0]
+
+
+def fused_slot(runner: ModelRunner, ids: list[int], spans: list[ChunkSpan], share: float,
+               sinks: int | None = None) -> tuple[int, FusedPrefix, torch.Tensor]:
+    """`Fuser.prepare` + `fill` into a slot of the runner's pool (whatever the share, unlike the
+    runner); the slot, the plan and the logits of the last token fed after it."""
+    assert runner.fuser is not None and runner.lean is not None and runner.pool is not None
+    fused = runner.fuser.prepare(ids, spans, "tenant-a", recompute_share=share, sink_tokens=sinks)
+    slot = runner.pool.allocate()
+    runner.fuser.fill(fused, runner.pool, slot)
+    assert runner.pool.lengths[slot] == len(ids) - 1
+    return slot, fused, runner.lean.forward(runner.pool, [Feed(slot, len(ids) - 1, ids[-1:])])[0]
+
+
+def test_rope_rerotation_moves_keys_to_their_new_position(
+    loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
+) -> None:
     """K rotated at position p, then by s, equals K rotated at p + s (what fusion relies on)."""
     rotary = loaded_model.model.model.rotary_emb  # type: ignore[union-attr]
     keys = torch.randn(1, loaded_model.num_kv_heads, 5, loaded_model.head_dim)
@@ -60,13 +87,13 @@ def test_rope_rerotation_moves_keys_to_their_new_position(loaded_model: LoadedMo
         cos, sin = rotary(keys, position_ids=pos)
         return rotate_keys(keys, cos[:, None], sin[:, None])
 
-    fuser = Fuser.__new__(Fuser)
-    fuser.loaded, fuser._inner = loaded_model, loaded_model.model.model  # type: ignore[union-attr]
+    fuser = make_runner(fuse_share=0.15).fuser
+    assert fuser is not None
     cos, sin = fuser._rotation(700)
     assert torch.allclose(rotate_keys(at(positions), cos, sin), at(positions + 700), atol=1e-4)
 
 
-def test_share_one_gives_the_full_prefill_answer_and_kv(
+def test_share_one_gives_the_full_prefill_answer(
     loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
 ) -> None:
     runner = make_runner(fuse_share=1.0, host_capacity_bytes=1 << 30)
@@ -80,16 +107,74 @@ def test_share_one_gives_the_full_prefill_answer_and_kv(
         assert fused.fused_tokens == 0  # every reused token was recomputed
     # The chunks were stored all the same, for requests at a lower share.
     assert runner.fuser is not None
-    assert runner.fuser.fuse(ids, spans, "tenant-a", recompute_share=0.0).num_fused > 0
+    assert runner.fuser.prepare(ids, spans, "tenant-a", recompute_share=0.0).num_fused > 0
 
-    # The fused cache itself equals a full prefill's, at every layer.
-    prefix = runner.fuser.fuse(ids, spans, "tenant-a")
-    cache = DynamicCache()
-    with torch.inference_mode():
-        loaded_model.model(input_ids=torch.tensor([ids[:-1]]), cache=cache, use_cache=True)
-    for mine, theirs in zip(prefix.cache.layers, cache.layers, strict=True):
-        assert torch.allclose(mine.keys, theirs.keys, atol=1e-3)  # type: ignore[attr-defined]
-        assert torch.allclose(mine.values, theirs.values, atol=1e-3)  # type: ignore[attr-defined]
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_fill_recomputing_every_token_is_a_plain_prefill(
+    cached: bool, loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
+) -> None:
+    """Through `fill` at share 1.0 (head restored, chunks placed, every later token recomputed at
+    its real position), or with nothing cached, the slot holds a plain lean prefill's KV and the
+    answer's first token is the same."""
+    runner = make_runner(fuse_share=0.15, host_capacity_bytes=1 << 30)
+    assert runner.pool is not None
+    ids, spans = rag_ids(loaded_model, "CAB")
+    if cached:
+        run(runner, *rag_ids(loaded_model, "ABC"))  # stores the chunks
+        runner.run(Generation(ids, SamplingParams(max_tokens=1), salt="tenant-a"))  # and the head as prefix blocks
+    plain, plain_logits = plain_slot(runner, ids)
+    slot, fused, logits = fused_slot(runner, ids, spans, share=1.0)
+    assert (fused.num_restored > 0 and fused.num_recomputed > 0) is cached
+    n = len(ids) - 1
+    for keys, values in zip(runner.pool.keys, runner.pool.values, strict=True):
+        torch.testing.assert_close(keys[slot, :, :n], keys[plain, :, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(values[slot, :, :n], values[plain, :, :n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, plain_logits, atol=1e-3, rtol=1e-4)
+    assert int(logits.argmax()) == int(plain_logits.argmax())
+
+
+def test_reused_keys_are_re_rotated_exactly(loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]) -> None:
+    """Layer 0 of a reused chunk depends on its tokens and positions only: moved to its new start,
+    its K is the plain prefill's; V, reused from the chunk alone, differs from layer 1 on."""
+    runner = make_runner(fuse_share=0.0, host_capacity_bytes=1 << 30)
+    assert runner.pool is not None
+    run(runner, *rag_ids(loaded_model, "ABC"))
+    ids, spans = rag_ids(loaded_model, "CAB")
+    plain, _ = plain_slot(runner, ids)
+    slot, fused, _ = fused_slot(runner, ids, spans, share=0.0, sinks=0)
+    assert fused.num_fused == sum(s.end - s.start for s in spans)
+    k0 = runner.pool.keys[0]
+    for span in spans:
+        torch.testing.assert_close(k0[slot, :, span.start : span.end], k0[plain, :, span.start : span.end],
+                                   atol=1e-4, rtol=1e-4)
+    later = spans[1]
+    v1 = runner.pool.values[1]
+    assert float((v1[slot, :, later.start : later.end] - v1[plain, :, later.start : later.end]).abs().max()) > 0.1
+
+
+def test_selection_recomputes_the_most_deviating_reused_tokens(
+    loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
+) -> None:
+    """Past the check layer only the `num_keep` reused tokens whose fresh V there is furthest from
+    the reused V are recomputed; every other reused row keeps the chunk's own KV."""
+    runner = make_runner(fuse_share=0.0, host_capacity_bytes=1 << 30)
+    assert runner.pool is not None and runner.fuser is not None
+    run(runner, *rag_ids(loaded_model, "ABC"))
+    ids, spans = rag_ids(loaded_model, "CAB")
+    slot, fused, _ = fused_slot(runner, ids, spans, share=0.3, sinks=0)
+    check, last = runner.fuser.check_layer, loaded_model.num_layers - 1
+    deviation, changed = [], []
+    for span in spans:
+        chunk = runner.fuser.chunks.load("tenant-a", ids[span.start : span.end]).kv
+        assert chunk is not None
+        fresh = runner.pool.values[check][slot, :, span.start : span.end]
+        deviation.append((fresh - chunk[check, 1]).pow(2).sum(dim=(0, 2)))
+        final = runner.pool.values[last][slot, :, span.start : span.end]
+        changed.append((final != chunk[last, 1]).any(dim=-1).any(dim=0))
+    kept = torch.cat(changed).nonzero()[:, 0]
+    assert 0 < fused.num_recomputed == len(kept) < fused.num_fused
+    assert set(kept.tolist()) == set(torch.topk(torch.cat(deviation), len(kept)).indices.tolist())
 
 
 def test_reordered_chunks_are_fused_and_counted_as_cached(
@@ -128,23 +213,42 @@ def test_each_chunk_start_is_recomputed_in_context(
     KV is a full prefill's (exactly so through the last layer for the first chunk, whose context
     before them is exact), and the rest of the chunk is still reused."""
     runner = make_runner(fuse_share=0.0, host_capacity_bytes=1 << 30)
-    assert runner.fuser is not None
+    assert runner.pool is not None
     ids, spans = rag_ids(loaded_model, "ABC")
     run(runner, ids, spans)
     ids, spans = rag_ids(loaded_model, "CAB")
-    cache = DynamicCache()
-    with torch.inference_mode():
-        loaded_model.model(input_ids=torch.tensor([ids[:-1]]), cache=cache, use_cache=True)
-    last = len(cache.layers) - 1
-    full_v = cache.layers[last].values[0]  # type: ignore[attr-defined]
+    plain, _ = plain_slot(runner, ids)
+    last = runner.pool.values[-1]
+    start = spans[0].start
 
     def start_deviation(sinks: int) -> tuple[float, int]:
-        fused = runner.fuser.fuse(ids, spans, "tenant-a", sink_tokens=sinks)  # type: ignore[union-attr]
-        v = fused.cache.layers[last].values[0]  # type: ignore[attr-defined]
-        start = spans[0].start
-        return float((v[:, start : start + 4] - full_v[:, start : start + 4]).abs().max()), fused.num_fused
+        slot, fused, _ = fused_slot(runner, ids, spans, share=0.0, sinks=sinks)
+        deviation = float((last[slot, :, start : start + 4] - last[plain, :, start : start + 4]).abs().max())
+        runner.pool.free(slot)
+        return deviation, fused.num_fused
 
     without, fused_without = start_deviation(0)
     with_sinks, fused_with = start_deviation(4)
     assert without > 0.1 and with_sinks < 1e-3
     assert fused_with == fused_without - 4 * len(spans)
+
+
+def test_transformers_forward_path_fuses_on_a_cache_of_its_own(
+    loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
+) -> None:
+    """Without the lean forward pass (`engine.forward_path=transformers`) fusion computes on an
+    exact LeanModel of its own and hands the runner a transformers cache: at share 1.0 it is a
+    transformers full prefill's."""
+    runner = make_runner(fuse_share=0.15, host_capacity_bytes=1 << 30, loaded=replace(loaded_model, lean=None))
+    assert runner.pool is None and runner.fuser is not None
+    run(runner, *rag_ids(loaded_model, "ABC"))
+    ids, spans = rag_ids(loaded_model, "CEA")
+    assert run(runner, ids, spans).fused_tokens > 0
+    ids, spans = rag_ids(loaded_model, "CAB")
+    cache = runner.fuser.as_cache(runner.fuser.prepare(ids, spans, "tenant-a", recompute_share=1.0))
+    full = DynamicCache()
+    with torch.inference_mode():
+        loaded_model.model(input_ids=torch.tensor([ids[:-1]]), cache=full, use_cache=True)
+    for mine, theirs in zip(cache.layers, full.layers, strict=True):
+        assert torch.allclose(mine.keys, theirs.keys, atol=1e-3)  # type: ignore[attr-defined]
+        assert torch.allclose(mine.values, theirs.values, atol=1e-3)  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ import torch
 
 from gateway.engine import kvpool
 from gateway.engine.kvpool import KVPool
-from gateway.engine.lean import Feed, LeanModel
+from gateway.engine.lean import Feed, LeanModel, Selection
 from gateway.engine.model import LoadedModel
 from gateway.engine.quant import Linear, int4_available, pack_int4
 from tests.engine.test_batching import QUESTIONS, chat_ids
@@ -88,6 +88,37 @@ def test_batched_decode_over_the_pool_matches_each_alone(loaded_model: LoadedMod
         logits = exact.forward(pool, feeds).flip(0)
     assert got == alone
     assert pool.capacity >= max(len(p) for p in prompts) + 6
+
+
+def test_recompute_at_scattered_positions_restores_a_prefill(loaded_model: LoadedModel, exact: LeanModel) -> None:
+    """KV Fuse's pass: tokens at non-contiguous positions, every other row of the slot exact, attend
+    by real position and write their rows back as a prefill computed them; with a selection, the
+    layers past its check layer leave the rows of the tokens it drops as they were."""
+    ids = chat_ids(loaded_model, [{"role": "user", "content": QUESTIONS[2]}])
+    pool = _pool(loaded_model)
+    slot = pool.allocate()
+    exact.forward(pool, [Feed(slot, 0, ids)])
+    reference = [(k[slot].clone(), v[slot].clone()) for k, v in zip(pool.keys, pool.values, strict=True)]
+    positions = torch.tensor([p for p in range(3, len(ids)) if p % 3 != 1])
+    for k, v in zip(pool.keys, pool.values, strict=True):
+        k[slot, :, positions] = 0.0
+        v[slot, :, positions] = 0.0
+    exact.recompute(pool, slot, torch.tensor(ids)[positions], positions)
+    n = len(ids)
+    for (k, v), (ref_k, ref_v) in zip(zip(pool.keys, pool.values, strict=True), reference, strict=True):
+        torch.testing.assert_close(k[slot, :, :n], ref_k[:, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v[slot, :, :n], ref_v[:, :n], atol=1e-4, rtol=1e-4)
+
+    for v in pool.values:
+        v[slot, :, positions] = 0.0
+    pool.values[1][slot, :, positions[:2]] = 100.0  # on the check layer the first two deviate most
+    reused = torch.ones(len(positions), dtype=torch.bool)
+    reused[-1] = False
+    exact.recompute(pool, slot, torch.tensor(ids)[positions], positions, Selection(1, reused, 2))
+    assert pool.values[1][slot, :, positions].abs().sum() > 0  # up to the check layer: every token
+    last = pool.values[-1][slot, :, positions]
+    computed = (last != 0).any(dim=-1).any(dim=0)
+    assert computed.nonzero()[:, 0].tolist() == [0, 1, len(positions) - 1]
 
 
 def test_an_emptied_pool_past_its_limit_goes_back_to_its_first_size(monkeypatch: pytest.MonkeyPatch) -> None:
