@@ -36,15 +36,17 @@ MODEL_PATH = Path(__file__).with_name("prejudge.json")
 MONOTONIC = {0: 1, 1: 1, 3: -1, 4: 1}
 
 
-def features(query: str, cached: str, rank: int, cosines: list[float], floor: float) -> np.ndarray:
+def features(query: str, cached: str, rank: int, cosines: list[float], floor: float,
+             language: Language | None = None) -> np.ndarray:
     """`cached` is the `rank`-th sketch neighbour of `query`; `cosines` are the neighbours' sketch
-    cosines (descending, one past the last candidate when the partition has it)."""
+    cosines (descending, one past the last candidate when the partition has it); `language` is
+    `query`'s, computed when not given."""
     def at(i: int) -> float:
         return max(cosines[i], floor) if i < len(cosines) else floor
 
     cosine = at(rank)
     context = [cosine, cosine * cosine, float(rank), at(0) - cosine, cosine - at(rank + 1), at(0) - at(1)]
-    chinese = 1.0 if language_of(query) is Language.CHINESE else 0.0
+    chinese = 1.0 if (language or language_of(query)) is Language.CHINESE else 0.0
     return np.array(context + lexical_features(query, cached) + [bigram_jaccard(query, cached), chinese],
                     dtype=np.float32)
 
@@ -66,12 +68,12 @@ class Prejudge:
         z = self._trees.raw(x)
         return 1.0 / (1.0 + math.exp(-max(min(z, 40.0), -40.0)))
 
-    def passes(self, query: str, cached: str, rank: int, cosines: list[float], floor: float) -> bool:
-        """Whether the judge could accept `cached` for `query`: worth embedding both."""
+    def passes(self, query: str, language: Language | None, cached: str, rank: int, cosines: list[float],
+               floor: float) -> bool:
+        """Whether the judge could accept `cached` for `query` (in `language`): worth embedding both."""
         if hard_negative(query, cached) is not None:
             return False
-        language = language_of(query)
         threshold = self.thresholds.get(language) if language is not None else None
         if threshold is None:
             return True  # no trained threshold: the floor decides, as before
-        return self.probability(features(query, cached, rank, cosines, floor)) >= threshold
+        return self.probability(features(query, cached, rank, cosines, floor, language)) >= threshold

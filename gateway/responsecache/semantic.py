@@ -25,6 +25,7 @@ import numpy as np
 
 from gateway.responsecache.index import VectorIndex
 from gateway.responsecache.keys import PartitionKey
+from gateway.responsecache.language import language_of
 from gateway.responsecache.prejudge import Prejudge
 from gateway.responsecache.store import EntryMeta
 from gateway.responsecache.verifier import Verifier
@@ -57,10 +58,11 @@ def plausible(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray
     candidates = [c for c in sketches.search(partition, sketch, k + 1)
                   if c.meta.expires_at > now and c.meta.query is not None]
     cosines = [c.similarity for c in candidates]
-    if any(c.similarity >= floor and (prejudge is None or prejudge.passes(query, c.meta.query or "", rank, cosines,
-                                                                          floor))
-           for rank, c in enumerate(candidates[:k])):
-        return [c.meta for c in candidates[:k] if c.similarity >= floor]
+    within = [(rank, c) for rank, c in enumerate(candidates[:k]) if c.similarity >= floor]
+    language = language_of(query) if within and prejudge is not None else None
+    if any(prejudge is None or prejudge.passes(query, language, c.meta.query or "", rank, cosines, floor)
+           for rank, c in within):
+        return [c.meta for _, c in within]
     return []
 
 
