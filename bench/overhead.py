@@ -3,8 +3,9 @@
 The same fake upstream (tests/fake_upstream.py) is reached directly, through a bare FastAPI + httpx
 passthrough (bench/bare_proxy.py: the least a Python proxy does), through kvgate (auth on, request
 log on, SQLite, exact and semantic cache on) and through the LiteLLM proxy when it is installed, at
-concurrency 1 and 32, streaming and not. Every request is unique (`kvgate miss`: a nonce string,
-which the language gate keeps from the semantic cache: exact lookup, forward, store, log); the
+concurrency 1 and 32, streaming and not. Every request is unique (`kvgate miss`: a nonce string
+sent with `x-kvgate-semantic: off`: exact lookup, forward, store, log; the language gate takes its
+word salad for English, and its lookups would spend the semantic rows' CPU budget); the
 `kvgate hit` rows repeat one request so the exact cache answers. The question rows send real
 questions (QQP, read from ../shared/data; each asked once across all rows, no temperature, as an
 application sends them) through kvgate with the semantic cache on (its default), on with no CPU
@@ -274,7 +275,7 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
     auth = {"authorization": f"Bearer {key}"}
     paths = [Target("direct", fake, {}, fake_pid),
              Target("bare proxy", f"http://127.0.0.1:{bare_port}/v1", {}, bare_pid),
-             Target("kvgate miss", f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid),
+             Target("kvgate miss", f"http://127.0.0.1:{gw_port}/v1", {**auth, "x-kvgate-semantic": "off"}, gw_pid),
              Target("kvgate hit", f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid, unique=False)]
     if QUESTIONS.is_file():
         # The same gateway with no CPU budget for the semantic cache's embeddings (every plausible

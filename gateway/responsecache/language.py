@@ -68,8 +68,11 @@ def _english_command(words: list[str], text: str) -> bool:
     return known >= 2 and known >= MIN_VOCABULARY_SHARE * len(lowered)
 
 
+@lru_cache(maxsize=256)
 def language_of(text: str) -> Language | None:
-    """English, Chinese, or None for anything the verifier was not validated on."""
+    """English, Chinese, or None for anything the verifier was not validated on. Remembered for the
+    last texts seen: one lookup asks it of its question from several places (the language gate,
+    the verifier, the sketch floor, the prejudge)."""
     han = len(_HAN.findall(text))
     letters = sum(1 for c in text if c.isalpha())
     if han >= 2 and han >= 0.3 * letters:

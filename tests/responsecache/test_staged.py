@@ -5,13 +5,14 @@ semantic cache forwards instead of embedding."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
 import pytest
 import sqlalchemy as sa
 
-from gateway.responsecache.embedder import CpuBudget
+from gateway.responsecache.embedder import CpuBudget, Embedder
 from tests.conftest import Gateway
 from tests.responsecache.conftest import ADMIN, Client, cache_gateway
 
@@ -84,3 +85,17 @@ def test_cpu_budget_refills_at_its_share() -> None:
     budget._stamp -= 2.0  # two seconds later: 1.0 s refilled at half a core
     assert budget.available()
     assert CpuBudget(share=0).available(), "share 0 is no limit"
+
+
+async def test_queued_texts_are_charged_before_their_batch_runs(embedding_model: object) -> None:
+    """Lookups that arrive while a batch runs must see the budget it will spend: charging only once
+    a batch was timed let 32 concurrent clients drive the embeddings far past their share."""
+    embedder = Embedder(embedding_model, cpu_share=0.01)  # a bucket of 0.08 s
+    embedder.seconds_per_text = 0.05
+    both = asyncio.gather(embedder.embed("How do I reset my router?"), embedder.embed("Why is the sky blue?"))
+    await asyncio.sleep(0)  # both queued, the batch not yet timed
+    assert not embedder.budget.available(), "two texts at 0.05 s each overdraw a 0.08 s bucket at once"
+    vectors = await both
+    assert all(v.shape == (384,) for v in vectors)
+    assert embedder.seconds_per_text != 0.05, "the charge per text follows what batches measure"
+    embedder.close()
