@@ -54,10 +54,10 @@ def _manager(loaded: LoadedModel) -> KVCacheManager:
 
 
 @torch.inference_mode()
-def _greedy(lean: LeanModel, pool: KVPool, slot: int, ids: Sequence[int], start: int,
+def _greedy(lean: LeanModel, pool: KVPool, slot: int, ids: Sequence[int], logits: torch.Tensor,
             max_tokens: int, eos: set[int]) -> tuple[list[int], torch.Tensor]:
-    """Greedy answer tokens and the first token's log-probabilities, continuing the slot at `start`."""
-    logits = lean.forward(pool, [Feed(slot, start, list(ids[start:]))])[0]
+    """Greedy answer tokens and the first token's log-probabilities, from the last prompt token's
+    `logits`, the slot holding the whole prompt."""
     first = logits.float().log_softmax(-1)
     out: list[int] = []
     while len(out) < max_tokens:
@@ -96,14 +96,13 @@ def quality(loaded: LoadedModel, context_tokens: int, num_prompts: int, max_toke
         ids, spans = chat_ids_with_chunks(loaded.tokenizer, messages(texts, prompt))
         sizes.append(len(ids))
         slot = pool.allocate()
-        full, full_logp = _greedy(lean, pool, slot, ids, 0, max_tokens, eos)
+        full, full_logp = _greedy(lean, pool, slot, ids, lean.forward(pool, [Feed(slot, 0, ids)])[0], max_tokens, eos)
         pool.free(slot)
         full_right += correct(loaded.tokenizer.decode(full), prompt.answers)
         for share in shares:
             fused = fuser.prepare(ids, spans, SALT, recompute_share=share)
             slot = pool.allocate()
-            fuser.fill(fused, pool, slot)
-            answer, logp = _greedy(lean, pool, slot, ids, fused.num_tokens, max_tokens, eos)
+            answer, logp = _greedy(lean, pool, slot, ids, fuser.fill(fused, pool, slot), max_tokens, eos)
             pool.free(slot)
             same[share] += answer == full
             right[share] += correct(loaded.tokenizer.decode(answer), prompt.answers)

@@ -30,13 +30,18 @@ model thread, which owns the KV pool) writes the head and the re-rotated chunks 
 sequence's pool slot and runs steps 3-4 there on the engine's own forward pass,
 `LeanModel.recompute` (`lean.py`): the same layers and weight format (int4 by default) as a plain
 prefill, at the tokens' real positions, so fused and full prefill differ only by the reuse. The
-runner then computes the last prompt token as a decode step; its logits start the answer. Each
-layer runs once per computed token: the check pass is the first layers of the only pass. `fill`
+last prompt token is computed in that same pass, among the other computed rows, and its logits
+(`FusedPrefix.logits`) start the answer: computed alone as a decode step, it went through the
+int4 kernel with bfloat16 activations where a prefill's rows go through the float32 weights
+(`quant.DENSE_FROM_TOKENS`), which moved its logits by up to ~0.4 and alone made share 1.0 agree
+with a full prefill on 0.88 of the bench's answers. Each layer runs once per computed token: the
+check pass is the first layers of the only pass. `fill`
 runs whole, not cut into chunks like a prefill: sequences decoding beside it wait for it. On the
 transformers forward path (`engine.forward_path`) there is no pool: `as_cache` fills a one-slot
 pool of its own with a float32 `LeanModel` and hands the runner a transformers cache.
 
-At share 1.0 every token is recomputed and the cache is a full prefill's; the runner does not fuse
+At share 1.0 every token is recomputed and the slot and the logits are a full prefill's, bit for
+bit when no head was restored (the same rows in the same matrix products); the runner does not fuse
 then (`approximates`): a plain prefill after a prefix restore is the same KV without chunk loads.
 At 0 no check pass runs: reused KV is only re-positioned. The KV of positions after the first
 reused chunk is an approximation, so it is never stored as prefix blocks; chunks that were not
@@ -85,7 +90,8 @@ class FusionInputs:
 
 @dataclass(slots=True)
 class FusedPrefix:
-    """What `Fuser.prepare` hands the runner: the plan for positions [0, num_tokens) of a prompt.
+    """What `Fuser.prepare` hands the runner: the plan for positions [0, num_tokens) of a prompt,
+the whole prompt; `fill` leaves the last token's logits in `logits`, for the runner to sample.
 
     `num_restored` head tokens came from the prefix cache and `num_fused` chunk tokens from the
     chunk cache without being recomputed; [0, exact_tokens) holds exact KV; `missing` are the
@@ -100,6 +106,7 @@ class FusedPrefix:
     exact_tokens: int = 0
     tiers: list[str] = field(default_factory=list)
     missing: list[ChunkSpan] = field(default_factory=list)
+    logits: torch.Tensor | None = None
 
 
 def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -164,8 +171,8 @@ class Fuser:
     @torch.inference_mode()
     def prepare(self, prompt_ids: Sequence[int], spans: Sequence[ChunkSpan], salt: str,
                 recompute_share: float | None = None, sink_tokens: int | None = None) -> FusedPrefix:
-        """Find and load what prompt_ids[:-1] reuses (the last token is left for the caller: its
-        logits start the answer) and choose the tokens to compute; `fill` computes them."""
+        """Find and load what prompt_ids[:-1] reuses and choose the tokens to compute; `fill`
+        computes them and the last prompt token (never reused: its logits start the answer)."""
         share = self.recompute_share if recompute_share is None else recompute_share
         sinks = self.sink_tokens if sink_tokens is None else sink_tokens
         device = self.loaded.device
@@ -178,7 +185,7 @@ class Fuser:
         first = spans[0].start if spans else n
         head_kv, num_head, tiers = self._head(salt, prompt_ids, first)
 
-        reused = torch.zeros(n, dtype=torch.bool, device=device)
+        reused = torch.zeros(n + 1, dtype=torch.bool, device=device)  # the last token: never
         chunks: list[tuple[int, torch.Tensor]] = []
         missing: list[ChunkSpan] = []
         num_loaded = 0
@@ -197,9 +204,9 @@ class Fuser:
             num_loaded += end - span.start
         num_reused = int(reused.sum())
         num_sinks = num_loaded - num_reused
-        exact = int(reused.nonzero()[0, 0]) if num_reused else n
+        exact = int(reused.nonzero()[0, 0]) if num_reused else n + 1
 
-        positions = torch.arange(num_head, n, device=device)
+        positions = torch.arange(num_head, n + 1, device=device)
         num_keep = max(0, math.ceil(share * num_loaded) - num_sinks)
         select = None
         if num_keep == 0:
@@ -207,19 +214,20 @@ class Fuser:
         elif num_keep < num_reused:
             select = Selection(self.check_layer, reused[num_head:], num_keep)
         num_recomputed = min(num_keep, num_reused) + num_sinks
-        inputs = FusionInputs(torch.tensor(list(prompt_ids[:n]), dtype=torch.long, device=device), head_kv,
+        inputs = FusionInputs(torch.tensor(list(prompt_ids), dtype=torch.long, device=device), head_kv,
                               chunks, positions, select)
         return FusedPrefix(
-            num_tokens=n, inputs=inputs, num_restored=num_head, num_fused=num_loaded - num_recomputed,
+            num_tokens=n + 1, inputs=inputs, num_restored=num_head, num_fused=num_loaded - num_recomputed,
             num_recomputed=num_recomputed, exact_tokens=exact, tiers=tiers, missing=missing,
         )
 
     # ------------------------------------------------------------------ fill (model thread)
 
     @torch.inference_mode()
-    def fill(self, fused: FusedPrefix, pool: KVPool, slot: int) -> None:
+    def fill(self, fused: FusedPrefix, pool: KVPool, slot: int) -> torch.Tensor:
         """Write the head and the re-rotated chunks into the slot, then compute the chosen tokens
-        in place: the slot holds the fused KV of [0, num_tokens). On the pool's own thread."""
+        and the last one in place: the slot holds the fused KV of the whole prompt. Returns the
+        last token's logits (`[vocab]`, also left in `fused.logits`). On the pool's own thread."""
         inputs = fused.inputs
         if inputs is None:
             raise ValueError("this fused prefix was filled already")
@@ -232,8 +240,10 @@ class Fuser:
             kv = kv.to(pool.device)
             cos, sin = self._rotation(start)
             pool.place(slot, start, rotate_keys(kv[:, 0].float(), cos, sin), kv[:, 1])
-        self.lean.recompute(pool, slot, inputs.ids[inputs.positions], inputs.positions, inputs.select)
+        logits = self.lean.recompute(pool, slot, inputs.ids[inputs.positions], inputs.positions, inputs.select)
         pool.lengths[slot] = fused.num_tokens
+        fused.logits = logits
+        return logits
 
     def as_cache(self, fused: FusedPrefix) -> DynamicCache:
         """The fused KV as a transformers cache, for the transformers forward path (no pool):

@@ -148,6 +148,13 @@ class ModelRunner:
         if self.pool is not None:
             seq.slot, seq.install = into_pool(initial, self.pool, self.fuser)
             seq.cache = None
+        fused = initial.fused
+        if fused is not None and fused.logits is not None:
+            # Fusion computed the whole prompt, its last token included: the answer starts here.
+            logits, fused.logits = fused.logits, None
+            now = time.perf_counter()
+            seq.prefill_s = now - seq.started
+            self._take(seq, seq.sampler(logits), now, self.loaded.eos_token_ids)
         return seq
 
     def release(self, seq: Sequence) -> None:

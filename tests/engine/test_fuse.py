@@ -5,6 +5,7 @@ between tenants unless configured."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -55,24 +56,49 @@ def full_prefill(loaded: LoadedModel, ids: list[int]) -> GenerationResult:
 
 
 def plain_slot(runner: ModelRunner, ids: list[int]) -> tuple[int, torch.Tensor]:
-    """A plain lean prefill of ids[:-1] in a slot of the runner's pool; the slot and the logits of
-    the last token fed after it."""
+    """A plain lean prefill of the whole prompt in one pass in a slot of the runner's pool; the
+    slot and the logits of its last token."""
     assert runner.lean is not None and runner.pool is not None
     slot = runner.pool.allocate()
-    runner.lean.forward(runner.pool, [Feed(slot, 0, ids[:-1])])
-    return slot, runner.lean.forward(runner.pool, [Feed(slot, len(ids) - 1, ids[-1:])])[0]
+    return slot, runner.lean.forward(runner.pool, [Feed(slot, 0, ids)])[0]
+
+
+def greedy(runner: ModelRunner, slot: int, ids: list[int], logits: torch.Tensor, max_tokens: int) -> list[int]:
+    """Greedy answer tokens from the last prompt token's `logits`, the slot holding the prompt."""
+    assert runner.lean is not None and runner.pool is not None
+    out: list[int] = []
+    while len(out) < max_tokens:
+        out.append(int(logits.argmax()))
+        if out[-1] in runner.loaded.eos_token_ids:
+            break
+        logits = runner.lean.forward(runner.pool, [Feed(slot, len(ids) + len(out) - 1, out[-1:])])[0]
+    return out
+
+
+def long_docs(count: int, sentences: int) -> dict[str, str]:
+    """`count` documents of `sentences` facts each (~14 tokens a fact), named "D0", "D1", ..."""
+    rng = random.Random(7)
+    words = ["copper", "wool", "glass", "salt", "timber", "wine", "amber", "linen", "iron", "honey"]
+    people = ["Clara Duarte", "Soren Ivers", "Mira Kovac", "Anton Reyes", "Lena Brandt", "Jonas Ek"]
+    docs = {}
+    for d in range(count):
+        town = f"Town{d}"
+        facts = [f"In {1200 + rng.randrange(800)}, {rng.choice(people)} traded {rng.choice(words)} "
+                 f"from {town} to {rng.randrange(2, 90)} ports." for _ in range(sentences)]
+        docs[f"D{d}"] = f"Document {d}. The town of {town}. " + " ".join(facts) + "\n\n"
+    return docs
 
 
 def fused_slot(runner: ModelRunner, ids: list[int], spans: list[ChunkSpan], share: float,
                sinks: int | None = None) -> tuple[int, FusedPrefix, torch.Tensor]:
     """`Fuser.prepare` + `fill` into a slot of the runner's pool (whatever the share, unlike the
-    runner); the slot, the plan and the logits of the last token fed after it."""
+    runner); the slot, the plan and the logits of the last prompt token (computed by `fill`)."""
     assert runner.fuser is not None and runner.lean is not None and runner.pool is not None
     fused = runner.fuser.prepare(ids, spans, "tenant-a", recompute_share=share, sink_tokens=sinks)
     slot = runner.pool.allocate()
-    runner.fuser.fill(fused, runner.pool, slot)
-    assert runner.pool.lengths[slot] == len(ids) - 1
-    return slot, fused, runner.lean.forward(runner.pool, [Feed(slot, len(ids) - 1, ids[-1:])])[0]
+    logits = runner.fuser.fill(fused, runner.pool, slot)
+    assert runner.pool.lengths[slot] == len(ids) and fused.logits is logits
+    return slot, fused, logits
 
 
 def test_rope_rerotation_moves_keys_to_their_new_position(
@@ -126,12 +152,46 @@ def test_fill_recomputing_every_token_is_a_plain_prefill(
     plain, plain_logits = plain_slot(runner, ids)
     slot, fused, logits = fused_slot(runner, ids, spans, share=1.0)
     assert (fused.num_restored > 0 and fused.num_recomputed > 0) is cached
-    n = len(ids) - 1
+    n = len(ids)
     for keys, values in zip(runner.pool.keys, runner.pool.values, strict=True):
         torch.testing.assert_close(keys[slot, :, :n], keys[plain, :, :n], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(values[slot, :, :n], values[plain, :, :n], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, plain_logits, atol=1e-3, rtol=1e-4)
     assert int(logits.argmax()) == int(plain_logits.argmax())
+    if not cached:  # the same rows through the same matrix products: bit for bit
+        assert torch.equal(logits, plain_logits)
+
+
+def test_share_one_answers_as_a_full_prefill_on_a_long_prompt(
+    loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
+) -> None:
+    """On a prompt of real size (~1,700 tokens, 6 documents) with the engine's default weights
+    (int4 on CPU), `fill` at share 1.0 gives a full prefill's logits bit for bit and so its greedy
+    answer: the last prompt token is computed with the others, not as a decode step through other
+    weights. The runner at 1.0 (a plain prefill after the head's prefix restore) answers the same."""
+    assert loaded_model.lean is not None and loaded_model.lean.weights == "int4"
+    docs = long_docs(6, 20)
+    runner = make_runner(fuse_share=0.15, host_capacity_bytes=1 << 30)
+    assert runner.pool is not None
+
+    def prompt(order: list[str]) -> tuple[list[int], list[ChunkSpan]]:
+        messages = [
+            {"role": "system", "content": "Answer from the documents in a few words."},
+            {"role": "user", "content": [{"type": "text", "text": docs[d]} for d in order]},
+            {"role": "user", "content": "Who traded amber from Town3, and in which year?"},
+        ]
+        return chat_ids_with_chunks(loaded_model.tokenizer, messages)
+
+    run(runner, *prompt(sorted(docs)))  # stores the chunks (a fused request stores no prefix blocks)
+    ids, spans = prompt(sorted(docs, reverse=True))
+    assert len(ids) > 1500
+    plain, plain_logits = plain_slot(runner, ids)
+    full = greedy(runner, plain, ids, plain_logits, 12)
+    slot, fused, logits = fused_slot(runner, ids, spans, share=1.0)
+    assert fused.num_recomputed == sum(s.end - s.start for s in spans)
+    assert torch.equal(logits, plain_logits)
+    assert greedy(runner, slot, ids, logits, 12) == full
+    assert run(runner, ids, spans, share=1.0).output_ids == full
 
 
 def test_reused_keys_are_re_rotated_exactly(loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]) -> None:
@@ -248,7 +308,7 @@ def test_transformers_forward_path_fuses_on_a_cache_of_its_own(
     cache = runner.fuser.as_cache(runner.fuser.prepare(ids, spans, "tenant-a", recompute_share=1.0))
     full = DynamicCache()
     with torch.inference_mode():
-        loaded_model.model(input_ids=torch.tensor([ids[:-1]]), cache=full, use_cache=True)
+        loaded_model.model(input_ids=torch.tensor([ids]), cache=full, use_cache=True)  # the last token too
     for mine, theirs in zip(cache.layers, full.layers, strict=True):
         assert torch.allclose(mine.keys, theirs.keys, atol=1e-3)  # type: ignore[attr-defined]
         assert torch.allclose(mine.values, theirs.values, atol=1e-3)  # type: ignore[attr-defined]
