@@ -22,6 +22,9 @@ rows overwrite the slot's, and after a check layer only the tokens whose reused 
 go on (CacheBlend's selection).
 
 Q and K are fused into one rotation, Q/K/V into one matrix product, gate and up into another.
+
+Longer than 300 lines on purpose: `forward`, its decode plan and `recompute` share the same
+per-layer pieces (projections, rotation, attention), which read best beside each other.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ drives many on its model thread.
 
 The prefix restore itself is `restore.py`; the forward pass is `lean.py` over the KV pool
 (`kvpool.py`), or transformers' (`batch.py`) when `engine.forward_path` says so.
+
+Longer than 300 lines on purpose: one generation's life (restore, fused start, steps, finish) on
+both forward paths reads in one place; restore, fusion and batching already live beside it.
 """
 
 from __future__ import annotations
