@@ -91,7 +91,7 @@ class FusionInputs:
 @dataclass(slots=True)
 class FusedPrefix:
     """What `Fuser.prepare` hands the runner: the plan for positions [0, num_tokens) of a prompt,
-the whole prompt; `fill` leaves the last token's logits in `logits`, for the runner to sample.
+    the whole prompt; `fill` leaves the last token's logits in `logits`, for the runner to sample.
 
     `num_restored` head tokens came from the prefix cache and `num_fused` chunk tokens from the
     chunk cache without being recomputed; [0, exact_tokens) holds exact KV; `missing` are the
