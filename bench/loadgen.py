@@ -19,7 +19,9 @@ class Sample:
     status: int
     latency_s: float
     first_byte_s: float
-    cache: str | None = None  # kvgate's x-kvgate-cache header: hit, semantic_hit, miss, ...
+    # kvgate's x-kvgate-cache header (hit-exact, hit-semantic, miss, ...), with "/judged" for a miss the
+    # semantic cache embedded and judged, "/busy" for one it left unjudged for want of CPU budget
+    cache: str | None = None
 
 
 @dataclass(slots=True)
@@ -49,7 +51,7 @@ class Connection:
         self.writer.write(request)
         status_line = await self.reader.readline()
         status = int(status_line.split()[1])
-        length, chunked, cache = None, False, None
+        length, chunked, cache, detail = None, False, None, ""
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode().partition(":")
             name = name.lower()
@@ -59,6 +61,10 @@ class Connection:
                 chunked = True
             elif name == "x-kvgate-cache":
                 cache = value.strip()
+            elif name == "x-kvgate-semantic-stage" and value.strip() == "judged":
+                detail = "/judged"
+            elif name == "x-kvgate-semantic-skipped" and value.strip() == "busy":
+                detail = "/busy"
         first_byte = None
         if length is not None:
             await self.reader.readexactly(length)
@@ -72,7 +78,8 @@ class Connection:
                 if size == 0:
                     break
         ended = time.perf_counter()
-        return Sample(status, ended - started, (first_byte or ended) - started, cache)
+        return Sample(status, ended - started, (first_byte or ended) - started,
+                      cache + detail if cache is not None else None)
 
     async def close(self) -> None:
         if self.writer is not None:

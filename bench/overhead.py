@@ -12,7 +12,8 @@ application sends them) through kvgate with the semantic cache on (its default),
 budget for its embeddings (`KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE=0`, a second gateway) and
 off (`x-kvgate-semantic: off`), and through the bare proxy: what a semantic-eligible miss costs. The
 cache fills as it runs (every answer is stored). The x-kvgate-cache column counts what kvgate
-said it did.
+said it did: `miss/judged` is a miss whose question was embedded and judged, `miss/busy` one left
+unjudged because the embeddings' CPU budget could not afford it (`x-kvgate-semantic-skipped: busy`).
 
 Each server runs in its own process with one worker; the load generator is a raw-asyncio client in
 this process. Rounds are interleaved across paths (the machine's load drifts) and the medians over

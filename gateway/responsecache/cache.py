@@ -69,7 +69,7 @@ from gateway.responsecache.lookup import (
     incomplete_reason,
 )
 from gateway.responsecache.replay import is_complete, replay_json, replay_sse
-from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts, plausible
+from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts, plausible_with_chance
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.status import HIT_KINDS, CacheStatus
@@ -286,12 +286,12 @@ class ResponseCache:
             return
         if lookup.partition is None or lookup.query is None or self._embedder is None or self._verifier is None:
             return
-        plausible = self._plausible(lookup, now)
+        plausible, chance = self._plausible(lookup, now)
         if not plausible:
             lookup.stage = STAGE_RULED_OUT
             self.num_ruled_out += 1
             return
-        if not self._embedder.budget.available():
+        if not self._embedder.budget.available(chance):
             lookup.semantic_skipped = SKIP_BUSY
             self.num_busy += 1
             return
@@ -338,12 +338,12 @@ class ResponseCache:
         if meta is not None:
             self._hits[meta.id] += 1
 
-    def _plausible(self, lookup: Lookup, now: float) -> list[EntryMeta]:
-        """The cheap stage (`sketch.py`); empty when no stored question could pass the judge, and
-        then nothing is embedded."""
+    def _plausible(self, lookup: Lookup, now: float) -> tuple[list[EntryMeta], float]:
+        """The cheap stage (`sketch.py`): the stored questions worth embedding, none when no stored
+        question could pass the judge (then nothing is embedded), and the chance of a hit."""
         assert self._sketcher is not None and lookup.partition is not None and lookup.query is not None
         lookup.sketch = self._sketcher.sketch(lookup.query)
-        return plausible(self._sketches, lookup.partition, lookup.sketch, lookup.query,
+        return plausible_with_chance(self._sketches, lookup.partition, lookup.sketch, lookup.query,
                          self._sketcher.floor(lookup.query), self._sketcher.prejudge, now)
 
     async def _embed_with(self, lookup: Lookup, plausible: list[EntryMeta]) -> None:

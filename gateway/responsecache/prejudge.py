@@ -68,12 +68,20 @@ class Prejudge:
         z = self._trees.raw(x)
         return 1.0 / (1.0 + math.exp(-max(min(z, 40.0), -40.0)))
 
+    def chance(self, query: str, language: Language | None, cached: str, rank: int, cosines: list[float],
+               floor: float) -> float:
+        """The probability that the judge serves `cached` for `query` (in `language`), as the trees
+        estimate it; 0 when it is too low to be worth embedding both (or a veto rules it out), 1 for a
+        language with no trained threshold (the floor alone decides, as before)."""
+        threshold = self.thresholds.get(language) if language is not None else None
+        probability = 1.0 if threshold is None else \
+            self.probability(features(query, cached, rank, cosines, floor, language))
+        if threshold is not None and probability < threshold:
+            return 0.0
+        # The vetoes last: they cost more than the trees, and most candidates fail the trees.
+        return 0.0 if hard_negative(query, cached) is not None else probability
+
     def passes(self, query: str, language: Language | None, cached: str, rank: int, cosines: list[float],
                floor: float) -> bool:
         """Whether the judge could accept `cached` for `query` (in `language`): worth embedding both."""
-        if hard_negative(query, cached) is not None:
-            return False
-        threshold = self.thresholds.get(language) if language is not None else None
-        if threshold is None:
-            return True  # no trained threshold: the floor decides, as before
-        return self.probability(features(query, cached, rank, cosines, floor, language)) >= threshold
+        return self.chance(query, language, cached, rank, cosines, floor) > 0

@@ -55,15 +55,24 @@ def plausible(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray
     the neighbourhood is (rank, margin to the next neighbour), and an embedded index holding only
     the likeliest candidates makes each look unrivalled (measured: English precision 0.815 instead
     of 0.867 when only the prejudge's candidates were embedded)."""
+    return plausible_with_chance(sketches, partition, sketch, query, floor, prejudge, now, k)[0]
+
+
+def plausible_with_chance(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray, query: str,
+                          floor: float, prejudge: Prejudge | None, now: float,
+                          k: int = PLAUSIBLE_CANDIDATES) -> tuple[list[EntryMeta], float]:
+    """`plausible`, and the prejudge's best estimate of the chance that the judge serves one of
+    them (1 without a prejudge): what the lookup may claim of a scarce CPU budget."""
     candidates = [c for c in sketches.search(partition, sketch, k + 1)
                   if c.meta.expires_at > now and c.meta.query is not None]
     cosines = [c.similarity for c in candidates]
     within = [(rank, c) for rank, c in enumerate(candidates[:k]) if c.similarity >= floor]
-    language = language_of(query) if within and prejudge is not None else None
-    if any(prejudge is None or prejudge.passes(query, language, c.meta.query or "", rank, cosines, floor)
-           for rank, c in within):
-        return [c.meta for _, c in within]
-    return []
+    if not within:
+        return [], 0.0
+    language = language_of(query) if prejudge is not None else None
+    chance = max(1.0 if prejudge is None else prejudge.chance(query, language, c.meta.query or "", rank, cosines, floor)
+                 for rank, c in within)
+    return ([c.meta for _, c in within], chance) if chance > 0 else ([], 0.0)
 
 
 def best_match(index: VectorIndex, partition: PartitionKey, vector: np.ndarray, text: str,

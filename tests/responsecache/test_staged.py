@@ -12,7 +12,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from gateway.responsecache.embedder import CpuBudget, Embedder
+from gateway.responsecache.embedder import BURST_S, CpuBudget, Embedder
 from tests.conftest import Gateway
 from tests.responsecache.conftest import ADMIN, Client, cache_gateway
 
@@ -85,6 +85,29 @@ def test_cpu_budget_refills_at_its_share() -> None:
     budget._stamp -= 2.0  # two seconds later: 1.0 s refilled at half a core
     assert budget.available()
     assert CpuBudget(share=0).available(), "share 0 is no limit"
+
+
+def test_cpu_budget_keeps_what_is_left_for_likely_hits() -> None:
+    budget = CpuBudget(share=0.5)  # 4 s
+    assert budget.available(chance=0.02), "a full bucket embeds every plausible lookup"
+    budget.spend(2.0)  # half left
+    assert not budget.available(chance=0.02), "an unlikely hit may not draw on a half-spent bucket"
+    assert budget.available(chance=0.6), "a likely one may"
+    budget.spend(1.9)
+    assert budget.available(chance=1.0) and not budget.available(chance=0.9)
+
+
+def test_cpu_budget_refills_only_from_what_the_loop_leaves_idle() -> None:
+    budget = CpuBudget(share=1.0)
+    budget.spend(budget.share * BURST_S + 0.3)  # overdrawn by 0.3 s
+    started = time.monotonic()
+    while time.monotonic() - started < 0.5:  # the calling thread (the loop) busy for 0.5 s
+        sum(range(1000))
+    assert not budget.available(), "a loop busy all along refills (next to) nothing"
+    assert budget.loop_busy > 0.5
+    time.sleep(0.5)  # the loop idle for 0.5 s: 0.5 s of a full core's share
+    assert budget.available()
+    assert budget.loop_busy < 0.5
 
 
 async def test_queued_texts_are_charged_before_their_batch_runs(embedding_model: object) -> None:
