@@ -14,6 +14,12 @@ vectors takes tens of milliseconds and 1.5 GB, the IVF one a few and a quarter o
 (`kvgate bench cache-scale` measures both, with the recall the IVF loses). FAISS runs on one
 thread (`runtime.configure_process`). The lock makes a
 search on a worker thread safe against adds and removals on the event loop.
+
+The sketch index, searched by every semantic lookup, keeps its flat partitions as int8 (each
+component times `INT8_SCALE`, FAISS' direct signed 8-bit codes) and re-ranks a few more than it
+was asked for by their exact float cosines, so it returns what a float index would. A flat search
+reads every vector, and at a request's pace none of them is in the CPU's caches: over 4,000
+sketches it took 395 us as float32 and 147 us as int8 (98 and 79 us when cached).
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ from gateway.responsecache.store import EntryMeta
 IVF_MIN_ENTRIES = 50_000
 IVF_PROBES = 32
 DIMENSIONS = 384
+# int8 flat index: a component x is stored as round(x * INT8_SCALE); sketch components stay within
+# +-0.27 (5,000 QQP questions), so codes stay within +-107 and keep about 16 levels for a typical one.
+INT8_SCALE = 400.0
+RERANK_EXTRA = 8  # candidates beyond k re-ranked by their exact cosine
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,8 +50,16 @@ class Candidate:
     similarity: float
 
 
-def flat_index(dimensions: int) -> faiss.Index:
+def flat_index(dimensions: int, int8: bool = False) -> faiss.Index:
+    if int8:
+        return faiss.IndexIDMap2(faiss.IndexScalarQuantizer(dimensions, faiss.ScalarQuantizer.QT_8bit_direct_signed,
+                                                            faiss.METRIC_INNER_PRODUCT))
     return faiss.IndexIDMap2(faiss.IndexFlatIP(dimensions))
+
+
+def int8_codes(vectors: np.ndarray) -> np.ndarray:
+    """What an int8 flat index is given to store `vectors` (floats holding whole numbers)."""
+    return np.clip(np.rint(vectors * INT8_SCALE), -127, 127).astype(np.float32)
 
 
 def ivf_index(vectors: np.ndarray, ids: np.ndarray, probes: int = IVF_PROBES) -> faiss.Index:
@@ -60,14 +78,17 @@ def ivf_index(vectors: np.ndarray, ids: np.ndarray, probes: int = IVF_PROBES) ->
 
 class VectorIndex:
     def __init__(self, vector_of: Callable[[EntryMeta], np.ndarray | None], dimensions: int = DIMENSIONS,
-                 ivf_min_entries: int = IVF_MIN_ENTRIES) -> None:
+                 ivf_min_entries: int = IVF_MIN_ENTRIES, int8: bool = False) -> None:
+        """`int8`: flat partitions hold int8 codes, and searches re-rank by exact cosine."""
         self._vector_of = vector_of
+        self._int8 = int8
         self._dimensions = dimensions
         self._ivf_min = ivf_min_entries
         self._partitions: dict[PartitionKey, faiss.Index] = {}
         self._rebuild_at: dict[PartitionKey, int] = {}
         self._entries: dict[int, EntryMeta] = {}
         self._rebuilds: list[threading.Thread] = []
+        self._rebuilt: set[PartitionKey] = set()  # partitions now IVF (they take float vectors)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -86,9 +107,11 @@ class VectorIndex:
             for partition, members in groups.items():
                 index = self._partitions.get(partition)
                 if index is None:
-                    index = self._partitions[partition] = flat_index(self._dimensions)
+                    index = self._partitions[partition] = flat_index(self._dimensions, self._int8)
                     self._rebuild_at[partition] = self._ivf_min
                 vectors = np.stack([self._vector_of(m) for m in members]).astype(np.float32)  # type: ignore[misc]
+                if self._int8 and partition not in self._rebuilt:
+                    vectors = int8_codes(vectors)
                 index.add_with_ids(vectors, np.array([m.id for m in members], dtype=np.int64))
                 for meta in members:
                     self._entries[meta.id] = meta
@@ -124,6 +147,7 @@ class VectorIndex:
             if gone:
                 rebuilt.remove_ids(np.array(gone, dtype=np.int64))  # type: ignore[arg-type]
             self._partitions[partition] = rebuilt
+            self._rebuilt.add(partition)
 
     def remove(self, ids: list[int]) -> None:
         with self._lock:
@@ -138,15 +162,27 @@ class VectorIndex:
                 if index.ntotal == 0:
                     del self._partitions[partition]
                     del self._rebuild_at[partition]
+                    self._rebuilt.discard(partition)
 
     def search(self, partition: PartitionKey, vector: np.ndarray, k: int = 4) -> list[Candidate]:
         with self._lock:
             index = self._partitions.get(partition)
             if index is None:
                 return []
-            scores, ids = index.search(vector.reshape(1, -1).astype(np.float32), min(k, index.ntotal))
-            return [Candidate(self._entries[int(i)], float(s)) for s, i in zip(scores[0], ids[0], strict=True)
-                    if i >= 0 and int(i) in self._entries]
+            wanted = k + RERANK_EXTRA if self._int8 else k
+            query = vector.reshape(1, -1).astype(np.float32)
+            if self._int8 and partition not in self._rebuilt:
+                query = int8_codes(query)  # FAISS compares codes with codes: the query is coded too
+            scores, ids = index.search(query, min(wanted, index.ntotal))
+            found = [(self._entries[int(i)], float(s)) for s, i in zip(scores[0], ids[0], strict=True)
+                     if i >= 0 and int(i) in self._entries]
+        if not self._int8:
+            return [Candidate(meta, score) for meta, score in found]
+        if not found:
+            return []
+        cosines = np.stack([self._vector_of(meta) for meta, _ in found]) @ vector  # type: ignore[misc]
+        order = np.argsort(-cosines, kind="stable")[:k]
+        return [Candidate(found[i][0], float(cosines[i])) for i in order]
 
 
 def embeddings_index(ivf_min_entries: int = IVF_MIN_ENTRIES) -> VectorIndex:
@@ -156,4 +192,4 @@ def embeddings_index(ivf_min_entries: int = IVF_MIN_ENTRIES) -> VectorIndex:
 
 def sketches_index(dimensions: int, ivf_min_entries: int = IVF_MIN_ENTRIES) -> VectorIndex:
     """The index over sketches (every semantic entry)."""
-    return VectorIndex(lambda meta: meta.sketch, dimensions, ivf_min_entries=ivf_min_entries)
+    return VectorIndex(lambda meta: meta.sketch, dimensions, ivf_min_entries=ivf_min_entries, int8=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -60,22 +61,30 @@ class Sketcher:
         return cls(words, vectors, floors, prejudge)
 
     def sketch(self, text: str) -> np.ndarray:
-        """A unit vector (zeros for a text with no words)."""
+        """A unit vector (zeros for a text with no words). Few numpy calls on purpose: at a
+        request's pace each one runs from cold CPU caches."""
         rows: list[int] = []
         weights: list[float] = []
-        total = np.zeros(self.dimensions, dtype=np.float32)
+        hashed: np.ndarray | None = None  # the words outside the table
         for word in tokens(text):
             weight = STOPWORD_WEIGHT if word in STOPWORDS else 1.0
             row = self._row(word)
             if row is None:
-                total += weight * self._hashed_vector(stem(word))
+                vector = weight * self._hashed_vector(stem(word))
+                hashed = vector if hashed is None else hashed + vector
             else:
                 rows.append(row)
                 weights.append(weight)
         if rows:
-            total += np.asarray(weights, dtype=np.float32) @ (self._vectors[rows].astype(np.float32) / 127.0)
-        norm = float(np.linalg.norm(total))
-        return total / norm if norm > 0 else total
+            total = np.asarray(weights, dtype=np.float32) @ self._vectors[rows] * np.float32(1 / 127)
+            if hashed is not None:
+                total += hashed
+        elif hashed is not None:
+            total = hashed
+        else:
+            return np.zeros(self.dimensions, dtype=np.float32)
+        norm = math.sqrt(float(total @ total))
+        return total / np.float32(norm) if norm > 0 else total
 
     def _row(self, word: str) -> int | None:
         """The table row of `word`, or of its stem when the word is an inflection the table lacks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.responsecache.index import VectorIndex
+from gateway.responsecache.index import VectorIndex, sketches_index
 from gateway.responsecache.keys import ExactKey, PartitionKey
 from gateway.responsecache.semantic import plausible
 from gateway.responsecache.sketch import Sketcher, stem, variants
@@ -78,3 +78,28 @@ def test_the_prejudge_passes_paraphrases_and_rules_out_neighbours_the_judge_woul
     assert plausible(index, PartitionKey("p"), sketcher.sketch(numbered), numbered, 0.0, None, 0.0), \
         "without the prejudge the numbered variant has candidates"
     assert stored[0] not in named(numbered), "a different number is vetoed"
+
+
+def test_int8_sketch_index_finds_what_a_float_index_finds() -> None:
+    """The sketch index stores int8 codes and re-ranks by exact cosine: the same candidates, with the
+    same similarities, as a float index (and a removed entry is gone from both)."""
+    sketcher = Sketcher.load()
+    subjects = ["router", "passport", "python", "violin", "mortgage", "jupiter", "marathon", "visa", "laptop", "tax"]
+    asks = ["How do I renew my {}?", "What is the best {} for a beginner?", "Why is my {} so slow?",
+            "How much does a {} cost in India?", "Can I learn {} in a month?", "Is it worth buying a {} now?"]
+    texts = [f"{ask.format(s)}" if n == 0 else f"{ask.format(s)} ({n})"
+             for n in range(3) for s in subjects for ask in asks]
+    metas = [EntryMeta(i + 1, "t", "ns", "m", ExactKey(str(i)), PartitionKey("p"), text, None, float("inf"),
+                       sketcher.sketch(text)) for i, text in enumerate(texts)]
+    int8 = sketches_index(sketcher.dimensions)
+    exact = VectorIndex(lambda meta: meta.sketch, sketcher.dimensions)
+    for index in (int8, exact):
+        index.add(metas)
+        index.remove([metas[0].id])
+    for question in ["How can I renew my passport?", "Which violin should a beginner buy?", "why is my laptop slow",
+                     "What does a mortgage cost in India?", "How do I renew my router?"]:
+        sketch = sketcher.sketch(question)
+        got, want = int8.search(PartitionKey("p"), sketch, 5), exact.search(PartitionKey("p"), sketch, 5)
+        assert [c.meta.id for c in got] == [c.meta.id for c in want]
+        assert np.allclose([c.similarity for c in got], [c.similarity for c in want], atol=1e-6)
+        assert metas[0].id not in [c.meta.id for c in got]
