@@ -138,10 +138,11 @@ class Trees:
 
 
 class Verifier:
-    """Scores retrieval candidates; `thresholds` (one per validated language) are set from the
-    target false-hit rate on each language's calibration curve."""
+    """Scores retrieval candidates with a tree model per validated language (one joint model, or
+    each language's own, `bench/semantic_train.py --per-language`); `thresholds` (one per language)
+    are set from the target false-hit rate on each language's calibration curve."""
 
-    def __init__(self, trees: Trees, curves: dict[str, list[dict[str, float]]], min_cosine: float,
+    def __init__(self, trees: dict[Language, Trees], curves: dict[str, list[dict[str, float]]], min_cosine: float,
                  target_false_hit_rate: float) -> None:
         self._trees = trees
         self.curves = curves
@@ -152,7 +153,12 @@ class Verifier:
     @classmethod
     def load(cls, target_false_hit_rate: float, path: Path = WEIGHTS_PATH) -> Verifier:
         data = orjson.loads(path.read_bytes())
-        return cls(Trees(data["trees"]), data["curves"], float(data["min_cosine"]), target_false_hit_rate)
+        if "baseline" in data["trees"]:  # one model for every language
+            joint = Trees(data["trees"])
+            trees = {Language(lang): joint for lang in data["curves"]}
+        else:
+            trees = {Language(lang): Trees(model) for lang, model in data["trees"].items()}
+        return cls(trees, data["curves"], float(data["min_cosine"]), target_false_hit_rate)
 
     def supports(self, text: str) -> bool:
         """Whether `text` is in a language this verifier was calibrated on."""
@@ -175,16 +181,17 @@ class Verifier:
             return probability >= threshold_for(self.curves[language], max_false_hit_rate)
         return True
 
-    def probability(self, features: np.ndarray) -> float:
-        z = self._trees.raw(features)
+    def probability(self, features: np.ndarray, language: Language) -> float:
+        z = self._trees[language].raw(features)
         return 1.0 / (1.0 + math.exp(-max(min(z, 40.0), -40.0)))
 
     def verify(self, u: np.ndarray, v: np.ndarray, query: str, cached: str, rank: int = 0,
                cosines: list[float] | None = None) -> Verdict:
         """One candidate: the `rank`-th neighbour of `query`, `cosines` the neighbours' cosines
         (descending); without them the candidate is taken as the only neighbour."""
-        threshold = self.threshold_of(query)
-        if threshold is None:
+        language = language_of(query)
+        threshold = self.thresholds.get(language) if language is not None else None
+        if language is None or threshold is None:
             return Verdict(False, 0.0, "language")
         cosine = float(np.dot(u, v))
         if cosine < self.min_cosine:
@@ -193,7 +200,7 @@ class Verifier:
         if reason is not None:
             return Verdict(False, 0.0, reason)
         features = candidate_features(query, cached, rank, cosines or [cosine], self.min_cosine)
-        probability = self.probability(features)
+        probability = self.probability(features, language)
         return Verdict(probability >= threshold, probability, None if probability >= threshold else "score")
 
 

@@ -162,15 +162,17 @@ def test_reordering_that_keeps_the_question_is_not_vetoed(a: str, b: str) -> Non
 
 def test_verifier_trees_match_their_export() -> None:
     """The shipped weights load, evaluate to probabilities, and pick a threshold from the curve."""
+    from gateway.responsecache.language import Language
     from gateway.responsecache.verifier import Verifier, candidate_features
 
     verifier = Verifier.load(0.01)
     assert set(verifier.thresholds) == {"en", "zh"}
     assert all(0.5 < t < 1.0 for t in verifier.thresholds.values())
     features = candidate_features("how do i reset my router", "how do i reset my router", 0, [1.0], 0.75)
-    assert 0.0 < verifier.probability(features) < 1.0
+    assert 0.0 < verifier.probability(features, Language.ENGLISH) < 1.0
     lower = candidate_features("how do i reset my router", "how do i reset my router", 0, [0.9], 0.75)
-    assert verifier.probability(lower) <= verifier.probability(features)  # monotonic in cosine
+    english = Language.ENGLISH
+    assert verifier.probability(lower, english) <= verifier.probability(features, english)  # monotonic in cosine
 
 
 @pytest.mark.parametrize("a, b, reason", [
@@ -234,3 +236,21 @@ def test_differing_parts_of_long_shared_contexts() -> None:
         "What is the capital of France?", "How many legs does a spider have?")
     assert differing_parts("What is the capital of France?", "What is the capital of Spain?") is None
     assert differing_parts(context, context + "And more.") == ("", "And more.")
+
+
+def test_verifier_scores_each_language_with_its_own_trees(tmp_path) -> None:
+    """A weights file may hold one model per language (`semantic_train --per-language`): each
+    question is scored by its own language's trees."""
+    import json
+
+    from gateway.responsecache.language import Language
+    from gateway.responsecache.verifier import WEIGHTS_PATH, Verifier, candidate_features
+
+    data = json.loads(WEIGHTS_PATH.read_text())
+    shifted = {**data["trees"], "baseline": data["trees"]["baseline"] - 3.0}  # a much stricter Chinese model
+    path = tmp_path / "weights.json"
+    path.write_text(json.dumps({**data, "trees": {"en": data["trees"], "zh": shifted}}))
+    joint, split = Verifier.load(0.01), Verifier.load(0.01, path)
+    features = candidate_features("how do i reset my router", "how do i reset my router", 0, [1.0], 0.75)
+    assert split.probability(features, Language.ENGLISH) == joint.probability(features, Language.ENGLISH)
+    assert split.probability(features, Language.CHINESE) < joint.probability(features, Language.CHINESE)
