@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         exported, language_curves = fit(trains, calibs, languages, args.trees, args.depth)
         models.update(dict.fromkeys(languages, exported))
         curves.update(language_curves)
-    trees = models[next(iter(models))] if not args.per_language else models
+    trees = models if args.per_language else next(iter(models.values()))
     weights = {"trees": trees, "min_cosine": MIN_COSINE, "curves": curves,
                "features": "verifier.candidate_features", "num_candidates": NUM_CANDIDATES,
                "trained_on": {name: {"pairs": len(d[0]), "train": len(d[3]), "calibration": len(d[4]),

@@ -80,8 +80,3 @@ class Prejudge:
             return 0.0
         # The vetoes last: they cost more than the trees, and most candidates fail the trees.
         return 0.0 if hard_negative(query, cached) is not None else probability
-
-    def passes(self, query: str, language: Language | None, cached: str, rank: int, cosines: list[float],
-               floor: float) -> bool:
-        """Whether the judge could accept `cached` for `query` (in `language`): worth embedding both."""
-        return self.chance(query, language, cached, rank, cosines, floor) > 0

@@ -119,7 +119,6 @@ class Trees:
 
     def __init__(self, data: dict[str, Any]) -> None:
         self.baseline = float(data["baseline"])
-        self.depth = int(data["depth"])
         self._trees = [tuple(map(list, tree)) for tree in zip(
             np.array(data["feature"], dtype=np.int64).tolist(), np.array(data["threshold"], dtype=np.float64).tolist(),
             np.array(data["left"], dtype=np.int64).tolist(), np.array(data["right"], dtype=np.int64).tolist(),
