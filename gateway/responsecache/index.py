@@ -42,6 +42,10 @@ DIMENSIONS = 384
 # +-0.27 (5,000 QQP questions), so codes stay within +-107 and keep about 16 levels for a typical one.
 INT8_SCALE = 400.0
 RERANK_EXTRA = 8  # candidates beyond k re-ranked by their exact cosine
+# How far a code's cosine may be from the exact one, at most: each component is off by at most
+# 0.5 / INT8_SCALE on both sides, and a unit vector's components sum to at most sqrt(DIMENSIONS) in
+# absolute value, so |error| <= (0.5 / INT8_SCALE) * 2 * sqrt(DIMENSIONS) + DIMENSIONS * (0.5 / INT8_SCALE)^2.
+INT8_MAX_ERROR = (0.5 / INT8_SCALE) * 2 * math.sqrt(DIMENSIONS) + DIMENSIONS * (0.5 / INT8_SCALE) ** 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,7 +168,11 @@ class VectorIndex:
                     del self._rebuild_at[partition]
                     self._rebuilt.discard(partition)
 
-    def search(self, partition: PartitionKey, vector: np.ndarray, k: int = 4) -> list[Candidate]:
+    def search(self, partition: PartitionKey, vector: np.ndarray, k: int = 4,
+               floor: float | None = None) -> list[Candidate]:
+        """The `k` nearest entries by cosine. With `floor`, an int8 search whose best code lies
+        further below it than codes can err returns nothing: no entry reaches the floor (most
+        lookups end here, and skip the re-ranking)."""
         with self._lock:
             index = self._partitions.get(partition)
             if index is None:
@@ -174,6 +182,9 @@ class VectorIndex:
             if self._int8 and partition not in self._rebuilt:
                 query = int8_codes(query)  # FAISS compares codes with codes: the query is coded too
             scores, ids = index.search(query, min(wanted, index.ntotal))
+            if floor is not None and self._int8 and partition not in self._rebuilt \
+                    and scores[0][0] / INT8_SCALE ** 2 < floor - INT8_MAX_ERROR:
+                return []
             found = [(self._entries[int(i)], float(s)) for s, i in zip(scores[0], ids[0], strict=True)
                      if i >= 0 and int(i) in self._entries]
         if not self._int8:

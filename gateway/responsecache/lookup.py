@@ -18,7 +18,7 @@ MISS = CacheStatus.MISS
 # Why a request that could have had a semantic lookup got the exact cache only (response header
 # `x-kvgate-semantic-skipped`); requests that opt out themselves (`x-kvgate-semantic: off`) get none.
 SKIP_SAMPLING, SKIP_TRIVIAL, SKIP_TOO_LONG, SKIP_LANGUAGE = "sampling", "trivial", "too-long", "language-not-validated"
-SKIP_BUSY = "busy"  # plausible, but the embeddings' CPU budget is spent (`embedder.CpuBudget`)
+SKIP_BUSY = "busy"  # the semantic cache's CPU budget is spent, or too short for this lookup (`embedder.CpuBudget`)
 # How a semantic-eligible miss ended (`x-kvgate-semantic-stage`): ruled out by the cheap stage (no
 # embedding computed), or embedded and judged.
 STAGE_RULED_OUT, STAGE_JUDGED = "ruled-out", "judged"

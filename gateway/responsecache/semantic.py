@@ -63,7 +63,9 @@ def plausible_with_chance(sketches: VectorIndex, partition: PartitionKey, sketch
                           k: int = PLAUSIBLE_CANDIDATES) -> tuple[list[EntryMeta], float]:
     """`plausible`, and the prejudge's best estimate of the chance that the judge serves one of
     them (1 without a prejudge): what the lookup may claim of a scarce CPU budget."""
-    candidates = [c for c in sketches.search(partition, sketch, k + 1)
+    # Neighbours below the floor count as the floor in the prejudge's features, so a search that
+    # finds none within it says all there is to say.
+    candidates = [c for c in sketches.search(partition, sketch, k + 1, floor)
                   if c.meta.expires_at > now and c.meta.query is not None]
     cosines = [c.similarity for c in candidates]
     within = [(rank, c) for rank, c in enumerate(candidates[:k]) if c.similarity >= floor]

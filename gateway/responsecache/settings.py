@@ -39,9 +39,9 @@ class ResponseCacheSettings(BaseModel):
     embedding_api_key: str | None = Field(default=None, description="openai: the server's API key, if any.")
     semantic_cpu_share: float = Field(
         default=0.25, ge=0,
-        description="Share of one core the semantic cache's embeddings may use, out of what the event loop leaves "
-                    "idle (0 = no limit); past it, lookups are forwarded without one (x-kvgate-semantic-skipped: "
-                    "busy), the likeliest hits last.",
+        description="Share of one core the semantic cache's lookups (the cheap stage and the embeddings) may use, "
+                    "out of what the event loop leaves idle (0 = no limit); past it, lookups are forwarded unjudged "
+                    "(x-kvgate-semantic-skipped: busy), the likeliest hits last.",
     )
     embed_threads: int = Field(
         default=1, ge=0, description="Threads of the embedding engine (0 = one per core).",

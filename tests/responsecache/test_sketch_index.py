@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from gateway.responsecache.index import VectorIndex, sketches_index
+from gateway.responsecache.index import INT8_MAX_ERROR, VectorIndex, sketches_index
 from gateway.responsecache.keys import ExactKey, PartitionKey
 from gateway.responsecache.semantic import plausible
 from gateway.responsecache.sketch import Sketcher, stem, variants
@@ -103,3 +104,28 @@ def test_int8_sketch_index_finds_what_a_float_index_finds() -> None:
         assert [c.meta.id for c in got] == [c.meta.id for c in want]
         assert np.allclose([c.similarity for c in got], [c.similarity for c in want], atol=1e-6)
         assert metas[0].id not in [c.meta.id for c in got]
+
+
+def test_int8_search_with_a_floor_returns_nothing_only_when_nothing_reaches_it() -> None:
+    """A search given a floor may stop at the codes' best score, but only when no exact cosine
+    could reach the floor (codes err by at most INT8_MAX_ERROR): what reaches it is always found."""
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((2000, 384)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    metas = [EntryMeta(i + 1, "t", "ns", "m", ExactKey(str(i)), PartitionKey("p"), str(i), None, float("inf"),
+                       vector) for i, vector in enumerate(vectors)]
+    index = sketches_index(384)
+    index.add(metas)
+    stopped = 0
+    for i in range(300):
+        # Queries at every distance from a stored vector, from a copy to an unrelated one.
+        mix = (i % 30) / 30
+        query = mix * vectors[i] + (1 - mix) * rng.standard_normal(384).astype(np.float32) / np.sqrt(384)
+        query /= np.linalg.norm(query)
+        best = float(np.max(vectors @ query))
+        for floor in (best - 0.01, best + 0.01, best + INT8_MAX_ERROR + 0.01):
+            found = index.search(PartitionKey("p"), query, 5, floor)
+            if floor <= best:
+                assert found and found[0].similarity == pytest.approx(best, abs=1e-6)
+            stopped += not found
+    assert stopped >= 300, "the search stops early when the floor is out of reach"

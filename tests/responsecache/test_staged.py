@@ -12,7 +12,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from gateway.responsecache.embedder import BURST_S, CpuBudget, Embedder
+from gateway.responsecache.embedder import BURST_S, SATURATED, CpuBudget, Embedder
 from tests.conftest import Gateway
 from tests.responsecache.conftest import ADMIN, Client, cache_gateway
 
@@ -67,33 +67,39 @@ def test_stored_question_is_embedded_when_first_needed(gw: Gateway) -> None:
 def test_spent_cpu_budget_forwards_plausible_lookups_without_embedding(
         fake_upstream: str, tmp_path_factory: pytest.TempPathFactory, embedding_model: object) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('budget') / 'kvgate.db'}"
-    with cache_gateway(fake_upstream, url, semantic_cpu_share=1e-6) as gw:
+    # A bucket of 0.02 s: the cheap stages fit, the first judged lookup (two embeddings) overdraws it.
+    with cache_gateway(fake_upstream, url, semantic_cpu_share=0.01) as gw:
         client = Client(gw)
         client.miss_then_stored("How do I replace the battery of my car key fob?")
         first = client.chat("How can I replace my car key fob battery?")
         assert first.cache == "hit-semantic"  # the first lookup finds the budget not yet spent
         second = client.chat("How do I change the battery in my car key fob?")
         assert second.cache == "miss" and second.headers.get("x-kvgate-semantic-skipped") == "busy"
-        assert stats(gw)["semantic_busy"] == 1
+        ruled_out = stats(gw)["semantic_ruled_out"]
+        other = client.chat("What is the tallest mountain in Africa?")
+        assert other.headers.get("x-kvgate-semantic-skipped") == "busy", "a spent budget skips the cheap stage too"
+        assert "x-kvgate-semantic-stage" not in other.headers
+        assert stats(gw)["semantic_busy"] == 2 and stats(gw)["semantic_ruled_out"] == ruled_out
 
 
 def test_cpu_budget_refills_at_its_share() -> None:
-    budget = CpuBudget(share=0.5)  # a bucket of 0.5 * BURST_S = 4 s
+    budget = CpuBudget(share=0.5)  # a bucket of 0.5 * BURST_S seconds
     assert budget.available()
-    budget.spend(4.5)
+    budget.spend(0.5 * BURST_S + 0.5)  # overdrawn by 0.5 s
     assert not budget.available()
-    budget._stamp -= 2.0  # two seconds later: 1.0 s refilled at half a core
+    budget._stamp -= 2.0  # two seconds later (an idle loop): 1.0 s refilled at half a core
     assert budget.available()
     assert CpuBudget(share=0).available(), "share 0 is no limit"
 
 
 def test_cpu_budget_keeps_what_is_left_for_likely_hits() -> None:
-    budget = CpuBudget(share=0.5)  # 4 s
+    budget = CpuBudget(share=0.5)
+    full = 0.5 * BURST_S
     assert budget.available(chance=0.02), "a full bucket embeds every plausible lookup"
-    budget.spend(2.0)  # half left
+    budget.spend(full / 2)  # half left
     assert not budget.available(chance=0.02), "an unlikely hit may not draw on a half-spent bucket"
     assert budget.available(chance=0.6), "a likely one may"
-    budget.spend(1.9)
+    budget.spend(full / 2 - full / 40)  # a fortieth left
     assert budget.available(chance=1.0) and not budget.available(chance=0.9)
 
 
@@ -122,3 +128,14 @@ async def test_queued_texts_are_charged_before_their_batch_runs(embedding_model:
     assert all(v.shape == (384,) for v in vectors)
     assert embedder.seconds_per_text != 0.05, "the charge per text follows what batches measure"
     embedder.close()
+
+
+def test_cpu_budget_spends_nothing_while_the_loop_is_saturated() -> None:
+    budget = CpuBudget(share=0.5)
+    assert budget.available(), "a full bucket and an idle loop"
+    # The last second: the loop (the calling thread) ran 0.99 s of it.
+    budget._stamp, budget._loop_cpu = time.monotonic() - 1.0, time.thread_time() - 0.99
+    assert not budget.available(chance=1.0), "a saturated loop spends not even a full bucket"
+    assert budget.loop_busy >= SATURATED
+    budget._stamp, budget._loop_cpu = time.monotonic() - 1.0, time.thread_time() - 0.5  # half idle since
+    assert budget.available(chance=1.0)
