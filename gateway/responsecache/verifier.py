@@ -137,8 +137,8 @@ class Trees:
 
 
 class Verifier:
-    """Scores retrieval candidates with a tree model per validated language (one joint model, or
-    each language's own, `bench/semantic_train.py --per-language`); `thresholds` (one per language)
+    """Scores retrieval candidates with a tree model per validated language (each language's own,
+    as `bench/semantic_train.py` trains by default, or one joint model); `thresholds` (one per language)
     are set from the target false-hit rate on each language's calibration curve."""
 
     def __init__(self, trees: dict[Language, Trees], curves: dict[str, list[dict[str, float]]], min_cosine: float,

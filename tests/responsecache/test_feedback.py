@@ -72,19 +72,19 @@ def test_a_wrong_report_ends_semantic_serving_and_keeps_the_exact_key(gw: Gatewa
 
 
 def test_lookups_near_a_reported_entry_need_a_higher_judge_probability(gw: Gateway) -> None:
-    """A paraphrase served at a judge probability under 0.94 (the deployment's English threshold is
-    0.84) is refused once another question on its topic is reported wrong: near a reported entry a
-    hit needs 0.94. A paraphrase on another topic is served as before."""
+    """A paraphrase served at a judge probability under 0.92 (the deployment's English threshold is
+    0.82) is refused once another question on its topic is reported wrong: near a reported entry a
+    hit needs 0.92. A paraphrase on another topic is served as before."""
     client = Client(gw)
     space = {"x-kvgate-cache-namespace": "neighbourhood"}
-    asked = "at sea level, what is the boiling point of water?"
-    stored = "what is the boiling point of water at sea level?"
-    reported = "what is the freezing point of water at sea level?"
-    elsewhere = ("how can I reset my wifi router password?", "how do I reset the password of my wifi router?")
+    asked = "how can I reset my wifi router password?"
+    stored = "how do I reset the password of my wifi router?"
+    reported = "how do I update the firmware of my wifi router?"  # embeds at 0.91 from `asked`
+    elsewhere = ("how can I replace my car key fob battery?", "how do I replace the battery of my car key fob?")
     for question in (stored, reported, elsewhere[1]):
         client.miss_then_stored(question, headers=space)
     before = client.chat(asked, headers={**space, **NO_STORE})
-    assert before.cache == "hit-semantic" and float(before.headers["x-kvgate-judge-probability"]) < 0.84 + 0.1
+    assert before.cache == "hit-semantic" and float(before.headers["x-kvgate-judge-probability"]) < 0.82 + 0.1
     report(client, client.chat(reported, headers=space).headers["x-kvgate-cache-id"], correct=False)
     near = httpx.get(gw.base_url + "/admin/response-cache/stats", headers=ADMIN).json()["semantic_near_reported"]
     assert client.chat(asked, headers={**space, **NO_STORE}).cache == "miss"

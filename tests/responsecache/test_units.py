@@ -239,7 +239,7 @@ def test_differing_parts_of_long_shared_contexts() -> None:
 
 
 def test_verifier_scores_each_language_with_its_own_trees(tmp_path) -> None:
-    """A weights file may hold one model per language (`semantic_train --per-language`): each
+    """A weights file may hold one model per language (what `semantic_train` writes): each
     question is scored by its own language's trees."""
     import json
 
@@ -247,10 +247,12 @@ def test_verifier_scores_each_language_with_its_own_trees(tmp_path) -> None:
     from gateway.responsecache.verifier import WEIGHTS_PATH, Verifier, candidate_features
 
     data = json.loads(WEIGHTS_PATH.read_text())
-    shifted = {**data["trees"], "baseline": data["trees"]["baseline"] - 3.0}  # a much stricter Chinese model
-    path = tmp_path / "weights.json"
-    path.write_text(json.dumps({**data, "trees": {"en": data["trees"], "zh": shifted}}))
-    joint, split = Verifier.load(0.01), Verifier.load(0.01, path)
+    assert set(data["trees"]) == {"en", "zh"}, "the shipped weights hold one model per language"
+    english = data["trees"]["en"]
+    shifted = {**english, "baseline": english["baseline"] - 3.0}  # a much stricter Chinese model
+    (tmp_path / "joint.json").write_text(json.dumps({**data, "trees": english}))  # one model for both
+    (tmp_path / "split.json").write_text(json.dumps({**data, "trees": {"en": english, "zh": shifted}}))
+    joint, split = Verifier.load(0.01, tmp_path / "joint.json"), Verifier.load(0.01, tmp_path / "split.json")
     features = candidate_features("how do i reset my router", "how do i reset my router", 0, [1.0], 0.75)
     assert split.probability(features, Language.ENGLISH) == joint.probability(features, Language.ENGLISH)
     assert split.probability(features, Language.CHINESE) < joint.probability(features, Language.CHINESE)
