@@ -74,13 +74,13 @@ def _ids(loaded: LoadedModel, texts: list[str], passages: Sequence[int],
     return chat_ids_with_chunks(loaded.tokenizer, messages(texts, SquadPrompt(tuple(passages), question, ())))
 
 
-def quality(loaded: LoadedModel, context_tokens: int, num_prompts: int, max_tokens: int, shares: Sequence[float],
-            check_layer: int) -> dict[float, dict[str, float]]:
+def quality(loaded: LoadedModel, context_tokens: int, num_prompts: int, max_tokens: int,
+            shares: Sequence[float]) -> dict[float, dict[str, float]]:
     passages_per_prompt, chars = SIZES[context_tokens]
     texts, questions = build_passages(chars)
     prompts = build_prompts(questions, num_prompts, passages_per_prompt)
     kv = _manager(loaded)
-    fuser = Fuser(loaded, kv, recompute_share=0.15, check_layer=check_layer,
+    fuser = Fuser(loaded, kv, recompute_share=0.15,
                   sink_tokens=EngineSettings().fuse_sink_tokens)
     lean = fuser.lean  # the engine's forward pass, as it serves both
     pool = KVPool(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device, num_slots=1)
@@ -119,7 +119,7 @@ def _ttft(runner: ModelRunner, ids: list[int], spans: list[ChunkSpan], share: fl
     return result.prefill_s
 
 
-def speed(loaded: LoadedModel, context_tokens: int, share: float, repeats: int, check_layer: int) -> dict[str, float]:
+def speed(loaded: LoadedModel, context_tokens: int, share: float, repeats: int) -> dict[str, float]:
     k, chars = SIZES[context_tokens]
     texts, _ = build_passages(chars)
     first = list(range(k))
@@ -131,7 +131,7 @@ def speed(loaded: LoadedModel, context_tokens: int, share: float, repeats: int, 
     for _ in range(repeats):
         kv = _manager(loaded)  # a fresh cache each round: the new passage is new in every round
         runner = ModelRunner(loaded, kv, layerwise_min_tokens=1 << 30,
-                             fuser=Fuser(loaded, kv, recompute_share=share, check_layer=check_layer,
+                             fuser=Fuser(loaded, kv, recompute_share=share,
                                          sink_tokens=EngineSettings().fuse_sink_tokens))
         _ttft(runner, *_ids(loaded, texts, first), share)
         ids, spans = _ids(loaded, texts, second)
@@ -154,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="TTFT rounds (median)")
     parser.add_argument("--rows", default=ROWS, help="SHARE@CONTEXT_TOKENS, comma-separated (share 'default' = "
                         f"the engine's; context one of {sorted(SIZES)})")
-    parser.add_argument("--check-layer", type=int, default=EngineSettings().fuse_check_layer)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
     if args.threads:
@@ -170,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in dict.fromkeys(s for _, s in wanted):
         shares = [sh for sh, s in wanted if s == size]
-        scores = quality(loaded, size, args.prompts, args.max_tokens, shares, args.check_layer)
+        scores = quality(loaded, size, args.prompts, args.max_tokens, shares)
         for share in shares:
-            timing = speed(loaded, size, share, args.repeats, args.check_layer)
+            timing = speed(loaded, size, share, args.repeats)
             rows.append({
                 "recompute_share": share, "context_tokens": round(scores[share].pop("prompt_tokens_mean")),
                 "prompts": args.prompts, **timing,
