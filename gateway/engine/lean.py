@@ -17,9 +17,8 @@ its slot in place, and attention runs
 - for each prefilling chunk on its own (a chunk is many tokens; its call is amortized).
 
 `recompute` is KV Fuse's pass (`fuse.py`): one sequence's tokens at scattered positions, the
-slot's other rows already holding reused KV; each token attends by real position, its fresh K/V
-rows overwrite the slot's, and after a check layer only the tokens whose reused KV deviates most
-go on (CacheBlend's selection).
+slot's other rows already holding reused KV; each token attends by real position and its fresh K/V
+rows overwrite the slot's; a `Probe` also sums the attention the question pays to each row.
 
 Q and K are fused into one rotation, Q/K/V into one matrix product, gate and up into another.
 
@@ -54,14 +53,13 @@ class Feed:
 
 
 @dataclass(slots=True)
-class Selection:
-    """CacheBlend's narrowing of a `recompute`: on `check_layer`, each computed token's fresh V is
-    compared with the V its slot row held (reused KV); the layers after it run only for the
-    `num_keep` most deviating tokens among those marked `reused` plus every token not marked."""
+class Probe:
+    """Asks a `recompute` for the attention that its tokens at positions `start` and after (the
+    question) pay to each position, summed over layers, heads and those tokens, added to `mass`
+    (`[last position + 1]`, float32): which reused rows the answer reads most (KV Fuse's selection)."""
 
-    check_layer: int
-    reused: torch.Tensor  # bool, one per computed token
-    num_keep: int
+    start: int
+    mass: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -188,14 +186,13 @@ class LeanModel:
 
     @torch.inference_mode()
     def recompute(self, pool: KVPool, slot: int, tokens: Sequence[int] | torch.Tensor, positions: torch.Tensor,
-                  select: Selection | None = None) -> torch.Tensor:
+                  probe: Probe | None = None) -> torch.Tensor:
         """Run every layer for `tokens` at `positions` (ascending, any gaps) of the sequence in
         `slot`, whose rows below the last position already hold KV (a restored head, reused
         chunks): each token attends to every row up to its own position, and its fresh K/V rows
-        overwrite the slot's, layer by layer. With `select`, the layers after its check layer run
-        for the tokens it keeps only (the last token must be among them: not marked reused); the
-        others' rows there stay as they were. Returns the last token's logits, `[vocab]` (float32),
-        computed as `forward` computes a prefill's last row."""
+        overwrite the slot's, layer by layer. With `probe`, the attention of the tokens at its
+        `start` and after is added to its `mass`. Returns the last token's logits, `[vocab]`
+        (float32), computed as `forward` computes a prefill's last row."""
         if not len(positions):
             raise ValueError("nothing to recompute")
         device = self.embed.device
@@ -205,35 +202,35 @@ class LeanModel:
         pool.reserve(int(positions[-1]) + 1)
         x = self.embed[torch.as_tensor(tokens, device=device)]
         cos, sin, mask = self._at(positions)
+        length = int(positions[-1]) + 1
+        t = x.shape[0]
         for i, layer in enumerate(self.layers):
-            t = x.shape[0]
             qkv = layer.qkv(F.rms_norm(x, (self.hidden,), layer.attn_norm, self.eps))
             qk = qkv[:, : q_width + kv_width].reshape(t, heads + kv_heads, dim)
             qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin
-            v = qkv[:, q_width + kv_width :].reshape(t, kv_heads, dim)
             keys, values = pool.keys[i][slot], pool.values[i][slot]  # [kv_heads, capacity, dim] views
-            deviation = None
-            if select is not None and i == select.check_layer:
-                deviation = (v.transpose(0, 1) - values[:, positions].float()).pow(2).sum(dim=(0, 2))
             keys[:, positions] = qk[:, heads:].transpose(0, 1).to(pool.dtype)
-            values[:, positions] = v.transpose(0, 1).to(pool.dtype)
-            length = int(positions[-1]) + 1
-            out = F.scaled_dot_product_attention(
-                qk[:, :heads].transpose(0, 1)[None].to(keys.dtype), keys[None, :, :length], values[None, :, :length],
-                attn_mask=mask, enable_gqa=True)
+            values[:, positions] = qkv[:, q_width + kv_width :].reshape(t, kv_heads, dim).transpose(0, 1).to(pool.dtype)
+            q = qk[:, :heads].transpose(0, 1)  # [heads, t, dim]
+            out = F.scaled_dot_product_attention(q[None].to(keys.dtype), keys[None, :, :length],
+                                                 values[None, :, :length], attn_mask=mask, enable_gqa=True)
+            if probe is not None:
+                self._probe(probe, q, keys[:, :length], mask, positions)
             x = x + layer.out(out[0].transpose(0, 1).reshape(t, q_width).to(x.dtype))
             gate, up = layer.gate_up(F.rms_norm(x, (self.hidden,), layer.mlp_norm, self.eps)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-            if deviation is not None and select is not None and i + 1 < len(self.layers):
-                keep = ~select.reused
-                if select.num_keep:
-                    candidates = torch.where(select.reused, deviation, torch.full_like(deviation, -1.0))
-                    keep[torch.topk(candidates, min(select.num_keep, t)).indices] = True
-                if not keep[-1]:
-                    raise ValueError("the last token must stay computed: its logits are returned")
-                positions, x = positions[keep], x[keep]
-                cos, sin, mask = self._at(positions)
         return self._logits(F.rms_norm(x[-1:], (self.hidden,), self.norm, self.eps))[0]
+
+    def _probe(self, probe: Probe, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+               positions: torch.Tensor) -> None:
+        """Add the attention weights of the rows of `q` (`[heads, t, dim]`) at positions from
+        `probe.start` on, over `keys` (`[kv_heads, length, dim]`), to `probe.mass`."""
+        rows = positions >= probe.start
+        kv_heads, length, dim = keys.shape
+        grouped = q[:, rows].reshape(kv_heads, -1, dim)  # a KV head's query heads one after another
+        scores = grouped @ keys.float().transpose(1, 2) / dim**0.5
+        scores = scores.reshape(q.shape[0], -1, length).masked_fill(~mask[rows][None], float("-inf"))
+        probe.mass[:length] += scores.softmax(dim=-1).sum(dim=(0, 1))
 
     def _at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cos, signed sin and the attention mask (causal by real position, `[T, last + 1]`) of

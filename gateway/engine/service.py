@@ -57,7 +57,7 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
     if kv is not None and settings.fuse_enabled:
         if supports(loaded.model):
             fuser = Fuser(loaded, kv, recompute_share=settings.fuse_recompute_share,
-                          check_layer=settings.fuse_check_layer, sink_tokens=settings.fuse_sink_tokens)
+                          sink_tokens=settings.fuse_sink_tokens)
         else:  # fusion computes on lean.py's forward pass
             log.warning("%s is not a Llama-style decoder: KV fusion is off, marked chunks are prefilled",
                         loaded.model_id)

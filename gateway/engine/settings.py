@@ -47,13 +47,11 @@ class EngineSettings(BaseModel):
         default=True, description="Reuse the KV of chunks a request marks (kvgate.fuse), wherever they sit."
     )
     fuse_recompute_share: float = Field(
-        default=0.15, ge=0, le=1, description="Share of reused chunk tokens recomputed (largest KV deviation)."
+        default=0.15, ge=0, le=1,
+        description="Share of reused chunk tokens recomputed (those the question attends to most).",
     )
     fuse_sink_tokens: int = Field(
         default=16, ge=0, description="First tokens of each reused chunk always recomputed (its attention sink)."
-    )
-    fuse_check_layer: int = Field(
-        default=1, ge=0, description="Layer whose V deviation picks the tokens to recompute (all tokens up to it)."
     )
 
     @field_validator("num_threads", mode="before")

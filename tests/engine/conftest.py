@@ -36,7 +36,7 @@ def make_runner(loaded_model: LoadedModel) -> Iterator[Callable[..., ModelRunner
         settings = KVCacheSettings(**{**NO_TIERS, **fields})
         layout = BlockLayout(model.num_layers, model.num_kv_heads, model.head_dim, settings.block_size, model.dtype)
         kv = build_manager(settings, model_id=model.model_id, layout=layout)
-        fuser = None if fuse_share is None else Fuser(model, kv, recompute_share=fuse_share, check_layer=1)
+        fuser = None if fuse_share is None else Fuser(model, kv, recompute_share=fuse_share)
         runner = ModelRunner(model, kv, layerwise_min_tokens=layerwise_min_tokens, fuser=fuser)
         made.append(runner)
         return runner

@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from gateway.engine.fuse import ChunkSpan, FusedPrefix, rotate_keys
-from gateway.engine.lean import Feed
+from gateway.engine.lean import Feed, Probe
 from gateway.engine.model import LoadedModel
 from gateway.engine.prompt import chat_ids_with_chunks
 from gateway.engine.runner import Generation, GenerationResult, ModelRunner
@@ -213,28 +213,34 @@ def test_reused_keys_are_re_rotated_exactly(loaded_model: LoadedModel, make_runn
     assert float((v1[slot, :, later.start : later.end] - v1[plain, :, later.start : later.end]).abs().max()) > 0.1
 
 
-def test_selection_recomputes_the_most_deviating_reused_tokens(
+def test_selection_recomputes_the_reused_tokens_the_question_reads_most(
     loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
 ) -> None:
-    """Past the check layer only the `num_keep` reused tokens whose fresh V there is furthest from
-    the reused V are recomputed; every other reused row keeps the chunk's own KV."""
+    """Past a first pass over every token that is not reused (which also measures the attention
+    the question pays to each row), only the `num_keep` reused tokens the question attends to most
+    are recomputed, with the question again; every other reused row keeps the chunk's own KV."""
     runner = make_runner(fuse_share=0.0, host_capacity_bytes=1 << 30)
-    assert runner.pool is not None and runner.fuser is not None
+    assert runner.pool is not None and runner.fuser is not None and runner.lean is not None
     run(runner, *rag_ids(loaded_model, "ABC"))
     ids, spans = rag_ids(loaded_model, "CAB")
     slot, fused, _ = fused_slot(runner, ids, spans, share=0.3, sinks=0)
-    check, last = runner.fuser.check_layer, loaded_model.num_layers - 1
-    deviation, changed = [], []
+    changed = []
     for span in spans:
         chunk = runner.fuser.chunks.load("tenant-a", ids[span.start : span.end]).kv
         assert chunk is not None
-        fresh = runner.pool.values[check][slot, :, span.start : span.end]
-        deviation.append((fresh - chunk[check, 1]).pow(2).sum(dim=(0, 2)))
-        final = runner.pool.values[last][slot, :, span.start : span.end]
-        changed.append((final != chunk[last, 1]).any(dim=-1).any(dim=0))
+        final = runner.pool.values[-1][slot, :, span.start : span.end]
+        changed.append((final != chunk[-1, 1]).any(dim=-1).any(dim=0))
     kept = torch.cat(changed).nonzero()[:, 0]
     assert 0 < fused.num_recomputed == len(kept) < fused.num_fused
-    assert set(kept.tolist()) == set(torch.topk(torch.cat(deviation), len(kept)).indices.tolist())
+    # The first pass on its own: share 0 computes exactly the tokens that are not reused.
+    first, plan, _ = fused_slot(runner, ids, spans, share=0.0, sinks=0)
+    assert plan.num_recomputed == 0
+    positions = torch.tensor([p for p in range(plan.num_restored, len(ids))
+                              if not any(s.start <= p < s.end for s in spans)])
+    probe = Probe(spans[-1].end, torch.zeros(len(ids)))
+    runner.lean.recompute(runner.pool, first, torch.tensor(ids)[positions], positions, probe)
+    mass = torch.cat([probe.mass[s.start : s.end] for s in spans])
+    assert set(kept.tolist()) == set(torch.topk(mass, len(kept)).indices.tolist())
 
 
 def test_reordered_chunks_are_fused_and_counted_as_cached(
