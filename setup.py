@@ -8,9 +8,13 @@ truth, and are installed inside it, so that an installed kvgate needs no checkou
                                                             the benchmarks and the fake upstreams and
                                                             server helpers they start, laid out as in
                                                             the checkout (gateway/shipped.py finds them)
+
+and one optional C extension, the engine's int4 kernel (gateway/engine/kernels.c, loaded with
+ctypes by gateway/engine/quant.py): where it cannot be built, the install goes on without it and the
+engine uses torch's int4 kernel.
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 MAPPED = {
     "gateway._migrations": "migrations",
@@ -22,4 +26,7 @@ MAPPED = {
 setup(
     packages=[*find_packages(include=["gateway", "gateway.*"]), *MAPPED],
     package_dir=MAPPED,  # their data files: [tool.setuptools.package-data] in pyproject.toml
+    ext_modules=[Extension("gateway.engine._kernels", ["gateway/engine/kernels.c"],
+                           extra_compile_args=["-O3", "-pthread"], extra_link_args=["-pthread"], libraries=["m"],
+                           optional=True)],
 )

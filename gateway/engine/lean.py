@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gateway.engine.kernels import FastDecode
 from gateway.engine.kvpool import KVPool
 from gateway.engine.quant import Linear
 
@@ -85,7 +86,7 @@ def supports(model: torch.nn.Module) -> bool:
 
 class LeanModel:
     def __init__(self, model: torch.nn.Module, weights: str) -> None:
-        """`weights`: "int4", "bfloat16" or "float32" (what the matrix products read)."""
+        """`weights`: "int4", "int4-torch", "bfloat16" or "float32" (what the matrix products read)."""
         config: Any = model.config
         inner: Any = model.model
         self.weights = weights
@@ -113,6 +114,7 @@ class LeanModel:
         # cos and signed sin per position, one attribute: a reader on another thread (a fusion
         # on the restore thread) never sees one table grown and the other not.
         self._rope_table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
+        self.fast = FastDecode.of(self)  # every layer in C for decode-only steps, where it runs
 
     def _rope(self, positions: torch.Tensor, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin `[T, 1, head_dim]` (rotate_half(x) * sin == x.roll(D/2) * signed sin)."""
@@ -131,6 +133,9 @@ class LeanModel:
         """Run every feed's tokens, writing their K/V into the pool; returns the logits of each
         feed's last token, `[len(feeds), vocab]` (float32), in the order of `feeds`."""
         device = self.embed.device
+        if self.fast is not None and self.fast.runs(pool) \
+                and all(len(f.tokens) == 1 and f.install is None for f in feeds):
+            return self._fast_decode(pool, feeds)
         order = sorted(range(len(feeds)), key=lambda i: len(feeds[i].tokens) > 1)  # decodes first
         feeds = [feeds[i] for i in order]
         num_decode = sum(1 for f in feeds if len(f.tokens) == 1)
@@ -183,6 +188,26 @@ class LeanModel:
         for sorted_index, original in enumerate(order):
             restore[original] = sorted_index
         return logits[restore] if order != sorted(order) else logits
+
+    def _fast_decode(self, pool: KVPool, feeds: Sequence[Feed]) -> torch.Tensor:
+        """`forward` for feeds of one token each, every layer in one C call (`kernels.FastDecode`)."""
+        assert self.fast is not None
+        positions = [f.start for f in feeds]
+        end = max(positions) + 1
+        pool.reserve(end)
+        cos, sin = self._rope(torch.tensor(positions), end)
+        # The kernels split their work over `threads` threads of their own; torch's own threads
+        # would spin between its operators here, on the same cores, so torch runs on one meanwhile.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            x = self.fast.step(pool, self.embed[torch.tensor([f.tokens[0] for f in feeds])], [f.slot for f in feeds],
+                               positions, cos[:, 0], sin[:, 0], threads)
+            for f in feeds:
+                pool.lengths[f.slot] = f.start + 1
+            return self._logits(F.rms_norm(x, (self.hidden,), self.norm, self.eps), threads)
+        finally:
+            torch.set_num_threads(threads)
 
     @torch.inference_mode()
     def recompute(self, pool: KVPool, slot: int, tokens: Sequence[int] | torch.Tensor, positions: torch.Tensor,
@@ -240,11 +265,11 @@ class LeanModel:
         mask = torch.arange(length, device=positions.device)[None, :] <= positions[:, None]
         return cos, sin, mask
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """The vocabulary head. Through a lossy format (the head ships as Q8_0, not on int4's grid)
         the `RESCORE` best candidates are scored again with the float32 rows, so the top of the
         distribution, and with it every greedy choice, is the float32 one."""
-        logits = self.head(x)
+        logits = self.head(x, threads)
         if not self.head.exact_for(x.shape[0]):
             top = logits.topk(RESCORE, dim=-1).indices
             exact = torch.bmm(self.head_weight[top], x[:, :, None])[..., 0]

@@ -99,11 +99,11 @@ def model_directory(name: str, cache_dir: Path) -> tuple[Path, str]:
 
 
 def resolve_weights(name: str, device: torch.device) -> str:
-    """What the lean forward pass's matrix products read: int4 where torch has the CPU kernel."""
+    """What the lean forward pass's matrix products read: int4 where a CPU int4 kernel runs."""
     if name == "auto":
         return "int4" if int4_available(device) else "float32"
-    if name not in ("int4", "bfloat16", "float32"):
-        raise ValueError(f"engine weights {name!r}: auto, int4, bfloat16 or float32")
+    if name not in ("int4", "int4-torch", "bfloat16", "float32"):
+        raise ValueError(f"engine weights {name!r}: auto, int4, int4-torch, bfloat16 or float32")
     return name
 
 

@@ -1,51 +1,64 @@
 """Weight formats of the lean forward pass (`lean.py`): one linear map, several ways to hold it.
 
-Decoding one token reads every weight once, so at batch 1 its speed is the weights' bytes over
-the memory bandwidth. SmolLM2 ships as GGUF Q4_1 (4-bit values, a scale and a minimum per 32
+Decoding one token reads every weight once, so at batch 1 its speed is the weights' bytes and the
+work of de-quantizing them. SmolLM2 ships as GGUF Q4_1 (4-bit values, a scale and a minimum per 32
 weights along the input dimension): the float32 model kvgate loads is that grid de-quantized.
-The "int4" format packs it back into torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, groups
-of 32, value = (q - 8) * scale + zero), which de-quantizes inside the matrix product: an eighth
-of the float32 bytes, and the 4-bit values are recovered exactly (each group's minimum is its
-q = 0 entry). Its scale and zero are bfloat16 (the kernel takes nothing else), which moves a
-weight by a few hundredths of a quantization step; with bfloat16 activations, a layer's output
-is off by ~0.3% (relative norm), as with plain bfloat16 weights. The greedy agreement this costs
-is measured by `kvgate bench engine` (`bench/engine_quality.py`).
+The "int4" format packs it back (`pack_q4`: each group's scale and minimum are recovered from its
+float32 weights, and the 4-bit values exactly, since every Q4_1 group holds its q = 0 and q = 15)
+and multiplies with kvgate's own kernel, `kernels.c`: groups de-quantized in registers, float32
+activations, float32 accumulation, so its products are float32's up to summation order. It needs
+AVX-512F and a compiler at install time (setup.py builds it as an optional extension).
+
+Without the kernel, "int4" falls back to torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`,
+the previous default, also selectable as "int4-torch"): the same 4-bit values, but bfloat16 scales
+and bfloat16 activations, ~0.3% off per layer, which flips near-ties in greedy decoding (84% of 50
+prompts agreed with float32 over 32 tokens; `kvgate bench engine` measures it).
 
 Measured here (one thread, the linear maps of all 30 layers plus the vocabulary head, M rows at
-once, a quiet machine): int4 8.6 ms at M=1, 13.7 at M=4, 20.9 at M=8, 36.4 at M=16 (its cost
-grows with M); bfloat16 31.6 / 33.8 / 32.3 / 36.2 ms; float32 55 ms at M=1 (under load).
-fbgemm's dynamic int8 (`quantized.linear_dynamic`) scales far better (8.6 / 10.5 / 10.2 / 15.3
-ms) but quantizes each call's activations with one 7-bit scale: 16 sequences decoding together
-agreed with float32 on 4% of the 50 prompts (next-token KL 0.15), so it is not used. The int4
-kernel with float32 or float16 activations is 15-60x slower (not vectorized): activations are
-cast to bfloat16 at its input and back at its output. From `DENSE_FROM_TOKENS` rows on (a
-prefill chunk) the float32 matrices win, so a layer keeps both when the float32 model is loaded
-anyway.
+once, AMD EPYC): kvgate's kernel 7.2 ms at M=1, 9.1 at M=2, 13.1 at M=4, 25.9 at M=8, 51.4 at
+M=16 (two threads: 4.9 / 6.2 / 8.3 / 13.3 / 25.9); torch's int4 kernel 8.2 / 10.0 / 13.9 / 26.9 /
+53.0 (5.0 / 6.4 / 7.9 / 14.4 / 27.7). Both cost about one weight read per row: at M=16 the float32
+multiply-adds themselves bound it (a core does ~16 per cycle), so batches gain little per token.
+fbgemm's dynamic int8 (`quantized.linear_dynamic`) scales far better (8.6 / 10.5 / 10.2 / 15.3 ms)
+but quantizes each call's activations with one 7-bit scale: 16 sequences decoding together agreed
+with float32 on 4% of the 50 prompts (next-token KL 0.15), so it is not used. From
+`DENSE_FROM_TOKENS` rows on (a prefill chunk) the float32 matrices win, so a layer keeps both
+when the float32 model is loaded anyway.
 """
 
 from __future__ import annotations
 
 import torch
 
+from gateway.engine import kernels
+
 GROUP = 32
-DENSE_FROM_TOKENS = 32  # from this many rows on, a dense float32 GEMM beats the int4 kernel
+DENSE_FROM_TOKENS = 32  # from this many rows on, a dense float32 GEMM beats the int4 kernels
+BLOCK_BYTES = 48  # kernels.c: two groups of one output row, 32 bytes of 4-bit values, then d0, m0, d1, m1
 
 
 def int4_available(device: torch.device) -> bool:
-    return device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+    return device.type == "cpu" and (kernels.library() is not None or hasattr(torch, "_weight_int4pack_mm_for_cpu"))
 
 
 class Linear:
     """`y = x @ W.T` for `x` `[T, K]` float32; `weight` is the float32 `[N, K]` matrix (kept,
-    not copied, for "float32" and "int4"; "int4" falls back to bfloat16 where the kernel is missing)."""
+    not copied, for "float32" and the int4 formats). "int4" multiplies with kvgate's kernel where
+    it runs, else like "int4-torch" (torch's int4 kernel), which falls back to bfloat16 where
+    torch lacks it."""
 
     def __init__(self, weight: torch.Tensor, fmt: str) -> None:
         self.out_features, self.in_features = weight.shape
-        self.dense: torch.Tensor | None = weight if fmt in ("float32", "int4") else None
+        self.dense: torch.Tensor | None = weight if fmt in ("float32", "int4", "int4-torch") else None
         self.half: torch.Tensor | None = None
+        self.q4: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.scale_zero: torch.Tensor | None = None
-        if fmt == "int4" and int4_available(weight.device) and not weight.shape[0] % 16 \
+        kernel = kernels.library() if fmt == "int4" and weight.device.type == "cpu" else None
+        if kernel is not None and not weight.shape[1] % (2 * GROUP) and not weight.shape[0] % 4:
+            self.q4 = pack_q4(weight)
+        elif fmt in ("int4", "int4-torch") and int4_available(weight.device) \
+                and hasattr(torch, "_weight_int4pack_mm_for_cpu") and not weight.shape[0] % 16 \
                 and not weight.shape[1] % GROUP:
             self.packed, self.scale_zero = pack_int4(weight)
         elif fmt != "float32":
@@ -53,16 +66,55 @@ class Linear:
 
     def exact_for(self, num_rows: int) -> bool:
         """Whether `num_rows` rows at once go through the float32 weights."""
-        return self.dense is not None and self.half is None and (self.packed is None or num_rows >= DENSE_FROM_TOKENS)
+        return self.dense is not None and self.half is None and (
+            (self.packed is None and self.q4 is None) or num_rows >= DENSE_FROM_TOKENS)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """`threads`: how many threads kvgate's kernel splits the product over (torch's count if None)."""
         if self.exact_for(x.shape[0]):
             return torch.nn.functional.linear(x, self.dense)  # type: ignore[arg-type]
+        if self.q4 is not None:
+            x = x.contiguous()
+            y = torch.empty(x.shape[0], self.out_features)
+            kernels.library().q4_matmul(  # type: ignore[union-attr]
+                x.data_ptr(), x.shape[0], self.in_features, self.q4.data_ptr(), y.data_ptr(), self.out_features,
+                threads or torch.get_num_threads())
+            return y
         if self.packed is not None:
             assert self.scale_zero is not None
             return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scale_zero).float()
         assert self.half is not None
         return torch.nn.functional.linear(x.to(torch.bfloat16), self.half).float()
+
+
+def pack_q4(weight: torch.Tensor) -> torch.Tensor:
+    """float32 `[N, K]` (K a multiple of 64, N of 4) -> the bytes `kernels.c` reads.
+
+    Per group of 32 along K: the minimum, and the scale from the maximum (15 steps above it), taken
+    at float16 where that reproduces the group exactly (a Q4_1 group's scale is a float16, and the
+    group holds its q = 0 and q = 15) and at float32 otherwise; a group that is not on such a grid
+    is quantized (round to nearest)."""
+    n, k = weight.shape
+    groups = weight.double().reshape(n, k // GROUP, GROUP)
+    low = groups.amin(dim=-1, keepdim=True)
+    step = (groups.amax(dim=-1, keepdim=True) - low) / 15
+    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    for scale in step.half().double(), step.float().double():
+        q = torch.round((groups - low) / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(0, 15)
+        error = (q * scale + low - groups).abs().amax(dim=-1, keepdim=True)
+        if best is None:
+            best = (q, scale, error)
+        else:
+            better = error < best[2]
+            best = (torch.where(better, q, best[0]), torch.where(better, scale, best[1]), torch.minimum(error, best[2]))
+    assert best is not None
+    q = best[0].to(torch.int32).reshape(n, k // 64, 4, 16)  # [block, t, i]: weight 16 t + i of the block
+    words = (q[:, :, 0] | q[:, :, 1] << 4 | q[:, :, 2] << 8 | q[:, :, 3] << 12).to(torch.int16)
+    scale_min = torch.stack([best[1], low], dim=-1).reshape(n, k // 64, 4).float()
+    blocks = torch.cat([words.view(torch.uint8).reshape(n, k // 64, 32),
+                        scale_min.view(torch.uint8).reshape(n, k // 64, 16)], dim=-1)
+    # tile by tile (4 output rows), block by block, row by row: the order the kernel reads
+    return blocks.reshape(n // 4, 4, k // 64, BLOCK_BYTES).transpose(1, 2).contiguous()
 
 
 def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,10 @@ class EngineSettings(BaseModel):
         default="lean", description="lean (own Llama forward over a preallocated KV pool), or transformers (previous)."
     )
     weights: str = Field(
-        default="auto", description="Lean path matmul weights: auto (int4 on CPU), int4, bfloat16, float32 (exact)."
+        default="auto",
+        description="Lean path matmul weights: auto (int4 on CPU), int4 (kvgate's kernel, float32 activations, where"
+        " it was built and the CPU has AVX-512; else torch's), int4-torch (torch's kernel, bfloat16 activations),"
+        " bfloat16, float32 (exact).",
     )
     num_threads: int | None = Field(default=None, ge=1, description="torch CPU threads; unset = torch's default.")
     max_context_tokens: int = Field(default=8192, ge=16, description="Longest prompt + completion accepted.")

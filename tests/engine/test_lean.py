@@ -1,5 +1,6 @@
-"""The lean forward pass on the real model: float32 gives transformers' logits; int4 stays close
-and greedy-decodes the same answer on a plain question; sequences batched over the KV pool decode
+"""The lean forward pass on the real model: float32 gives transformers' logits; int4 (kvgate's
+kernel: the Q4_1 weights exactly, float32 arithmetic; torch's: bfloat16) stays close and
+greedy-decodes the same answer on a plain question; sequences batched over the KV pool decode
 as each does alone; slots are reused, and the pool grows past its first capacity."""
 
 from __future__ import annotations
@@ -8,10 +9,11 @@ import pytest
 import torch
 
 from gateway.engine import kvpool
+from gateway.engine.kernels import library
 from gateway.engine.kvpool import KVPool
 from gateway.engine.lean import Feed, LeanModel, Probe
 from gateway.engine.model import LoadedModel
-from gateway.engine.quant import Linear, int4_available, pack_int4
+from gateway.engine.quant import Linear, pack_int4
 from tests.engine.test_batching import QUESTIONS, chat_ids
 
 
@@ -46,12 +48,12 @@ def test_float32_lean_forward_gives_transformers_logits(loaded_model: LoadedMode
     torch.testing.assert_close(torch.stack(rows), reference[split - 1 :], atol=2e-3, rtol=1e-4)
 
 
-@pytest.mark.skipif(not int4_available(torch.device("cpu")), reason="torch has no CPU int4 kernel here")
-def test_int4_recovers_the_q4_1_grid_and_answers_as_float32(loaded_model: LoadedModel, exact: LeanModel) -> None:
+@pytest.mark.skipif(not hasattr(torch, "_weight_int4pack_mm_for_cpu"), reason="torch has no CPU int4 kernel here")
+def test_torch_int4_recovers_the_q4_1_grid_and_answers_as_float32(loaded_model: LoadedModel, exact: LeanModel) -> None:
     weight = loaded_model.model.model.layers[3].mlp.down_proj.weight.detach()  # type: ignore[union-attr, index]
     x = torch.randn(2, weight.shape[1])
     ref = x @ weight.T
-    int4 = Linear(weight, "int4")
+    int4 = Linear(weight, "int4-torch")
     assert int4.packed is not None
     err = ((int4(x) - ref).norm() / ref.norm()).item()
     # bfloat16 rounding of activations and scales only: a re-quantized weight would be ~10x off.
@@ -60,10 +62,41 @@ def test_int4_recovers_the_q4_1_grid_and_answers_as_float32(loaded_model: Loaded
     packed, _ = pack_int4(random)
     assert packed.dtype == torch.uint8
 
-    lean = LeanModel(loaded_model.model, "int4")
+    lean = LeanModel(loaded_model.model, "int4-torch")
     ids = chat_ids(loaded_model, [{"role": "user", "content": QUESTIONS[1]}])
     pool, other = _pool(loaded_model), _pool(loaded_model)
     assert _greedy(lean, pool, pool.allocate(), ids, 8) == _greedy(exact, other, other.allocate(), ids, 8)
+
+
+@pytest.mark.skipif(library() is None, reason="kvgate's int4 kernel was not built here, or the CPU lacks AVX-512F")
+def test_q4_kernel_holds_the_q4_1_weights_exactly_and_multiplies_in_float32(
+        loaded_model: LoadedModel, exact: LeanModel) -> None:
+    layer = loaded_model.model.model.layers[3]  # type: ignore[union-attr, index]
+    for weight in layer.mlp.down_proj.weight.detach(), layer.self_attn.q_proj.weight.detach():
+        int4 = Linear(weight, "int4")
+        assert int4.q4 is not None and int4.packed is None
+        k = weight.shape[1]
+        eye = torch.eye(k)
+        # identity rows read the held weights back, 16 rows a call (below the dense threshold)
+        held = torch.cat([int4(eye[i : i + 16]) for i in range(0, k, 16)]).T
+        assert torch.equal(held, weight)
+        for rows in (1, 3, 4, 7, 31):  # every tile shape of the kernel, and its remainders
+            x = torch.randn(rows, k)
+            ref = (x.double() @ weight.double().T).float()
+            assert ((int4(x) - ref).norm() / ref.norm()).item() < 1e-5
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = int4(x)
+            torch.set_num_threads(2)
+            assert torch.equal(int4(x), one)  # helper threads split output rows, not sums
+        finally:
+            torch.set_num_threads(threads)
+
+    lean = LeanModel(loaded_model.model, "int4")
+    ids = chat_ids(loaded_model, [{"role": "user", "content": QUESTIONS[1]}])
+    pool, other = _pool(loaded_model), _pool(loaded_model)
+    assert _greedy(lean, pool, pool.allocate(), ids, 16) == _greedy(exact, other, other.allocate(), ids, 16)
 
 
 def test_batched_decode_over_the_pool_matches_each_alone(loaded_model: LoadedModel, exact: LeanModel) -> None:
@@ -88,6 +121,40 @@ def test_batched_decode_over_the_pool_matches_each_alone(loaded_model: LoadedMod
         logits = exact.forward(pool, feeds).flip(0)
     assert got == alone
     assert pool.capacity >= max(len(p) for p in prompts) + 6
+
+
+@pytest.mark.skipif(library() is None, reason="kvgate's kernels were not built here, or the CPU lacks AVX-512F")
+def test_decode_steps_in_c_match_the_torch_path_row_for_row(loaded_model: LoadedModel) -> None:
+    """Sequences of different lengths decoding together, through `kernels.FastDecode` and through
+    the torch operators, on the same int4 weights: the same K/V rows, the same logits up to float32
+    rounding, with 1 and 2 threads, while the pool grows."""
+    fast = LeanModel(loaded_model.model, "int4")
+    assert fast.fast is not None
+    slow = LeanModel(loaded_model.model, "int4")
+    slow.fast = None
+    prompts = [chat_ids(loaded_model, [{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    pools = [_pool(loaded_model, capacity=16), _pool(loaded_model, capacity=16)]
+    slots = [[pool.allocate() for _ in prompts] for pool in pools]
+    for pool, held in zip(pools, slots, strict=True):
+        pool.free(held[1])  # a hole between the sequences
+        held[1] = pool.allocate()
+    logits = [lean.forward(pool, [Feed(s, 0, ids) for s, ids in zip(held, prompts, strict=True)])
+              for lean, pool, held in zip((fast, slow), pools, slots, strict=True)]
+    tokens = [int(row.argmax()) for row in logits[1]]
+    threads = torch.get_num_threads()
+    try:
+        for step in range(6):
+            torch.set_num_threads(1 + step % 2)
+            feeds = [[Feed(held[i], len(prompts[i]) + step, [tokens[i]]) for i in (2, 0, 1)] for held in slots]
+            logits = [fast.forward(pools[0], feeds[0]), slow.forward(pools[1], feeds[1])]
+            torch.testing.assert_close(logits[0], logits[1], atol=2e-3, rtol=1e-4)
+            tokens = [int(logits[1][(2, 0, 1).index(i)].argmax()) for i in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    for k0, k1 in zip(pools[0].keys, pools[1].keys, strict=True):
+        for s0, s1, ids in zip(slots[0], slots[1], prompts, strict=True):
+            torch.testing.assert_close(k0[s0, :, : len(ids) + 6], k1[s1, :, : len(ids) + 6], atol=1e-4, rtol=1e-4)
+    assert pools[0].capacity >= max(len(p) for p in prompts) + 6
 
 
 def test_recompute_at_scattered_positions_restores_a_prefill(loaded_model: LoadedModel, exact: LeanModel) -> None:

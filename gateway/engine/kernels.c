@@ -1,0 +1,358 @@
+/* kvgate's CPU kernels for the engine's decode step (loaded with ctypes by `kernels.py`; built by
+   setup.py as an optional extension; AVX-512F, checked by `q4_supported`, else the engine
+   keeps its torch path). No Python API, so no Python headers.
+
+   q4_matmul: y = x @ W.T for 4-bit weights and float32 activations.
+
+   W is held in groups of 32 weights along the input dimension, each weight = q * d + m with q in
+   0..15 and a scale d and minimum m per group: Q4_1, the grid SmolLM2's GGUF file ships. A block
+   holds two groups of one output row: 32 bytes of q, then d0, m0, d1, m1 as float32 (48 bytes).
+   16-bit word i of the 32 bytes holds, in its nibble t, q of the block's weight 16 t + i; widened
+   to 32-bit lanes and shifted right by 4 t bits, the block gives 16 weights in order as the
+   indices of a vpermps (which reads the low 4 bits of each lane) into the group's 16 possible
+   weights, q * d + m for q = 0..15. Each group is so de-quantized in registers, once per output
+   row and call, and multiplied with every activation row in float32: the result is the float32
+   product up to summation order.
+
+   Blocks are laid out in the order the kernel reads them: for each tile of COLS output rows, the
+   first block of each of its rows, then the second, and so on, so that a tile is one sequential
+   stream. Decoding one token reads every weight once, and at one thread the de-quantizing, not
+   the memory, is what limits it: float32 scales (24 bytes a group, read by a broadcast load) beat
+   GGUF's float16 ones (20 bytes, but converted and shuffled into place) by ~25% in one and two
+   threads, and one stream per output row was ~15% slower. */
+
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GROUP 32
+#define COLS 4 /* output rows computed together: independent accumulator chains */
+#define ROWS 4 /* activation rows per pass over the weights */
+#define BLOCK_BYTES 48 /* two groups: 32 bytes of 4-bit values, then d0, m0, d1, m1 as float32 */
+
+/* One tile: output rows j0 .. j0 + COLS - 1 for the first `rows` rows of x. Inlined with a constant
+   `rows`, so the accumulators live in registers. */
+static inline __attribute__((always_inline, target("avx512f"))) void
+tile(const float *x, int64_t k, const uint8_t *w, float *y, int64_t n, int64_t j0, const int rows)
+{
+    const int64_t pairs = k / (2 * GROUP);
+    const __m512 steps = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[COLS * ROWS];
+    for (int i = 0; i < COLS * rows; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const float *xp = x + p * 2 * GROUP;
+        for (int c = 0; c < COLS; c++) {
+            const uint8_t *block = w + ((j0 / COLS * pairs + p) * COLS + c) * BLOCK_BYTES;
+            const __m512i packed = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)block));
+            const float *dm = (const float *)(block + 32);
+            for (int t = 0; t < 2; t++) {
+                /* the group's 16 possible weights, then each weight looked up by its 4-bit value
+                   (vpermps reads the low 4 bits of each lane) */
+                const __m512 values = _mm512_fmadd_ps(steps, _mm512_set1_ps(dm[2 * t]), _mm512_set1_ps(dm[2 * t + 1]));
+                const __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(packed, 8 * t), values);
+                const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(packed, 8 * t + 4), values);
+                for (int r = 0; r < rows; r++) {
+                    const float *xr = xp + r * k + t * GROUP;
+                    acc[c * rows + r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[c * rows + r]);
+                    acc[c * rows + r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[c * rows + r]);
+                }
+            }
+        }
+    }
+    for (int c = 0; c < COLS; c++)
+        for (int r = 0; r < rows; r++)
+            y[r * n + j0 + c] = _mm512_reduce_add_ps(acc[c * rows + r]);
+}
+
+#define TILES(rows)                                \
+    for (int64_t j = j_begin; j < j_end; j += COLS)    \
+        tile(x, k, w, y, n, j, rows)
+
+/* Output rows [j_begin, j_end) of y [m, n] for every activation row of x [m, k]. */
+__attribute__((target("avx512f"))) static void
+span(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t n,
+     int64_t j_begin, int64_t j_end)
+{
+    for (int64_t r0 = 0; r0 < m; r0 += ROWS, x += ROWS * k, y += ROWS * n) {
+        switch (m - r0 < ROWS ? m - r0 : ROWS) {
+        case 1: TILES(1); break;
+        case 2: TILES(2); break;
+        case 3: TILES(3); break;
+        default: TILES(4); break;
+        }
+    }
+}
+
+/* Helper threads: each waits for a new job generation, runs its share of the output rows, and
+   counts itself done. The caller runs the first share itself. Waiting spins a little, then sleeps
+   on a condition variable, so idle helpers cost nothing between decode steps. */
+
+#define MAX_THREADS 64
+#define SPIN 20000
+
+struct job {
+    const float *x;
+    int64_t m, k;
+    const uint8_t *w;
+    float *y;
+    int64_t n;
+    int parts;
+};
+
+static struct job current;
+static atomic_long generation;
+static atomic_int pending;
+static int helpers;
+static long born[MAX_THREADS];
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t busy = PTHREAD_MUTEX_INITIALIZER; /* held by the call the helpers work for */
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+
+static void
+run_part(const struct job *job, int part)
+{
+    /* whole tiles to each part */
+    const int64_t tiles = (job->n + COLS - 1) / COLS;
+    const int64_t begin = tiles * part / job->parts * COLS;
+    int64_t end = tiles * (part + 1) / job->parts * COLS;
+    if (end > job->n)
+        end = job->n;
+    if (begin < end)
+        span(job->x, job->m, job->k, job->w, job->y, job->n, begin, end);
+}
+
+static void *
+helper_main(void *arg)
+{
+    const int part = (int)(intptr_t)arg;
+    long seen = born[part]; /* the generation when it was started: jobs before it are not its own */
+    for (;;) {
+        long now = atomic_load_explicit(&generation, memory_order_acquire);
+        for (int spin = 0; now == seen && spin < SPIN; spin++) {
+            _mm_pause();
+            now = atomic_load_explicit(&generation, memory_order_acquire);
+        }
+        if (now == seen) {
+            pthread_mutex_lock(&lock);
+            while ((now = atomic_load_explicit(&generation, memory_order_acquire)) == seen)
+                pthread_cond_wait(&wake, &lock);
+            pthread_mutex_unlock(&lock);
+        }
+        seen = now;
+        if (part < current.parts)
+            run_part(&current, part);
+        atomic_fetch_sub_explicit(&pending, 1, memory_order_acq_rel);
+    }
+    return 0;
+}
+
+/* Non-zero if this CPU runs the kernels (AVX-512F). */
+int
+q4_supported(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+}
+
+/* y [m, n] = x [m, k] @ W.T, W as `w` (above); k a multiple of 64, n of COLS.
+   `threads` parts of the output rows run at once: the caller's thread and threads - 1 helpers,
+   started on first use. A call made while another holds the helpers (KV Fuse on the restore
+   thread beside the model thread) runs on its caller's thread alone. */
+void
+q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t n, int threads)
+{
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    if (threads <= 1 || n < 64 * threads || pthread_mutex_trylock(&busy) != 0) {
+        span(x, m, k, w, y, n, 0, n);
+        return;
+    }
+    while (helpers < threads - 1) {
+        pthread_t thread;
+        born[helpers + 1] = atomic_load_explicit(&generation, memory_order_acquire);
+        if (pthread_create(&thread, 0, helper_main, (void *)(intptr_t)(helpers + 1)) != 0)
+            break;
+        pthread_detach(thread);
+        helpers++;
+    }
+    if (threads > helpers + 1)
+        threads = helpers + 1;
+    current = (struct job){x, m, k, w, y, n, threads};
+    atomic_store_explicit(&pending, helpers, memory_order_release);
+    pthread_mutex_lock(&lock);
+    atomic_fetch_add_explicit(&generation, 1, memory_order_acq_rel);
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&lock);
+    run_part(&current, 0);
+    while (atomic_load_explicit(&pending, memory_order_acquire) > 0)
+        _mm_pause();
+    pthread_mutex_unlock(&busy);
+}
+
+/* ---- One decoder layer for a batch of decoding sequences (one new token each) ----------------
+
+   What `lean.py`'s forward does for a Llama layer, for rows that each decode one token: RMSNorm,
+   the Q/K/V product, RoPE, the new K/V row written into the sequence's pool slot, attention over
+   the slot's rows up to the token (each row its own length, no padding), the output product and
+   residual, RMSNorm, gate/up, SiLU, down and residual. In torch that is ~20 operator calls a layer
+   whose dispatch costs more than their arithmetic at one token; here it is one call. Float32
+   throughout, as the torch path; exp is a polynomial within a few float32 ulps. */
+
+#define MAX_DIM 256
+
+/* e^x for x <= ~88 (2^(x log2 e), the fraction by its Taylor series to degree 7: relative error
+   below 1e-8 before rounding) */
+static inline __attribute__((always_inline, target("avx512f"))) __m512
+exp512(__m512 x)
+{
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight, one row of `hidden` (a multiple of 16) */
+__attribute__((target("avx512f"))) static void
+rms_norm(const float *x, const float *weight, float eps, int64_t hidden, float *out)
+{
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hidden; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        sum = _mm512_fmadd_ps(v, v, sum);
+    }
+    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)hidden + eps));
+    for (int64_t i = 0; i < hidden; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), scale),
+                                                _mm512_loadu_ps(weight + i)));
+}
+
+/* x[i] * cos[i] + x[(i + dim / 2) % dim] * signed_sin[i]: rotate_half's RoPE, as lean.py */
+static void
+rope(float *x, const float *cos, const float *signed_sin, int64_t dim)
+{
+    float rotated[MAX_DIM];
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < dim; i++)
+        rotated[i] = x[i] * cos[i] + x[(i + half) % dim] * signed_sin[i];
+    for (int64_t i = 0; i < dim; i++)
+        x[i] = rotated[i];
+}
+
+/* softmax(q . K[:length] / sqrt(dim)) @ V[:length] for one head; K, V rows of `dim` (a multiple
+   of 16) floats; `scores` holds `length` floats rounded up to 16 */
+__attribute__((target("avx512f"))) static void
+attend(const float *q, const float *keys, const float *values, int64_t length, int64_t dim, float *scores,
+       float *out)
+{
+    const float scale = 1.0f / sqrtf((float)dim);
+    float best = -INFINITY;
+    for (int64_t t = 0; t < length; t++) {
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 16)
+            dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(keys + t * dim + i), dot);
+        scores[t] = _mm512_reduce_add_ps(dot) * scale;
+        best = scores[t] > best ? scores[t] : best;
+    }
+    const __m512 top = _mm512_set1_ps(best);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t += 16) {
+        const __mmask16 live = length - t >= 16 ? 0xFFFF : (__mmask16)((1u << (length - t)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + t), top));
+        _mm512_mask_storeu_ps(scores + t, live, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
+    }
+    const float norm = 1.0f / _mm512_reduce_add_ps(total);
+    __m512 acc[MAX_DIM / 16];
+    for (int64_t i = 0; i < dim / 16; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t++) {
+        const __m512 p = _mm512_set1_ps(scores[t]);
+        for (int64_t i = 0; i < dim / 16; i++)
+            acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values + t * dim + 16 * i), acc[i]);
+    }
+    for (int64_t i = 0; i < dim / 16; i++)
+        _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(norm)));
+}
+
+/* gate_up [2 * inter] -> silu(gate) * up [inter] (inter a multiple of 16) */
+__attribute__((target("avx512f"))) static void
+silu_mul(const float *gate_up, int64_t inter, float *out)
+{
+    for (int64_t i = 0; i < inter; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate_up + i);
+        const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                         _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(gate_up + inter + i)));
+    }
+}
+
+struct layer {
+    const float *attn_norm, *mlp_norm;
+    const uint8_t *qkv, *out, *gate_up, *down; /* int4 weights as q4_matmul reads them */
+    float *keys, *values;                      /* this layer's pool: [slots, kv_heads, capacity, dim] */
+};
+
+struct shape {
+    int64_t hidden, heads, kv_heads, dim, inter, capacity;
+    float eps;
+};
+
+/* One layer for `rows` decoding sequences: x [rows, hidden] (the residual stream, updated in
+   place); row b is the token at `positions[b]` of the sequence in pool slot `slots[b]`, with
+   `cos`/`signed_sin` [rows, dim] for its position. `work` holds rows * (hidden + (heads + 2 *
+   kv_heads) * dim + heads * dim + 3 * inter) + capacity + 16 floats. Returns 0, or -1 for a shape
+   it does not handle (dims not multiples of 16, head_dim above MAX_DIM). */
+__attribute__((target("avx512f"))) int
+q4_decode_layer(float *x, int64_t rows, const struct layer *layer, const struct shape *s, const float *cos,
+                const float *signed_sin, const int64_t *slots, const int64_t *positions, float *work, int threads)
+{
+    const int64_t hidden = s->hidden, dim = s->dim, q_width = s->heads * dim, kv_width = s->kv_heads * dim;
+    const int64_t qkv_width = q_width + 2 * kv_width, group = s->heads / s->kv_heads;
+    if (hidden % 16 || dim % 16 || dim > MAX_DIM || s->inter % 16 || s->heads % s->kv_heads)
+        return -1;
+    float *normed = work, *qkv = normed + rows * hidden, *attn = qkv + rows * qkv_width;
+    float *gate_up = attn + rows * q_width, *act = gate_up + rows * 2 * s->inter, *scores = act + rows * s->inter;
+
+    for (int64_t b = 0; b < rows; b++)
+        rms_norm(x + b * hidden, layer->attn_norm, s->eps, hidden, normed + b * hidden);
+    q4_matmul(normed, rows, hidden, layer->qkv, qkv, qkv_width, threads);
+    for (int64_t b = 0; b < rows; b++) {
+        float *row = qkv + b * qkv_width;
+        for (int64_t h = 0; h < s->heads + s->kv_heads; h++)  /* the query heads, then the key heads */
+            rope(row + h * dim, cos + b * dim, signed_sin + b * dim, dim);
+        for (int64_t g = 0; g < s->kv_heads; g++) {
+            const int64_t at = ((slots[b] * s->kv_heads + g) * s->capacity + positions[b]) * dim;
+            memcpy(layer->keys + at, row + q_width + g * dim, dim * sizeof(float));
+            memcpy(layer->values + at, row + q_width + kv_width + g * dim, dim * sizeof(float));
+        }
+        for (int64_t h = 0; h < s->heads; h++) {
+            const int64_t base = (slots[b] * s->kv_heads + h / group) * s->capacity * dim;
+            attend(row + h * dim, layer->keys + base, layer->values + base, positions[b] + 1, dim, scores,
+                   attn + b * q_width + h * dim);
+        }
+    }
+    q4_matmul(attn, rows, q_width, layer->out, normed, hidden, threads);
+    for (int64_t i = 0; i < rows * hidden; i++)
+        x[i] += normed[i];
+    for (int64_t b = 0; b < rows; b++)
+        rms_norm(x + b * hidden, layer->mlp_norm, s->eps, hidden, normed + b * hidden);
+    q4_matmul(normed, rows, hidden, layer->gate_up, gate_up, 2 * s->inter, threads);
+    for (int64_t b = 0; b < rows; b++)
+        silu_mul(gate_up + b * 2 * s->inter, s->inter, act + b * s->inter);
+    q4_matmul(act, rows, s->inter, layer->down, normed, hidden, threads);
+    for (int64_t i = 0; i < rows * hidden; i++)
+        x[i] += normed[i];
+    return 0;
+}

@@ -1,0 +1,109 @@
+"""kvgate's CPU kernels (`kernels.c`, an optional C extension loaded with ctypes): the int4 matrix
+product `quant.Linear` uses, and `FastDecode`, a whole decoder layer for a step in which every
+sequence decodes one token.
+
+The extension is built by setup.py where a compiler is present and runs where the CPU has
+AVX-512F; `library()` is None elsewhere, and the engine keeps its torch path (`lean.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from gateway.engine.kvpool import KVPool
+    from gateway.engine.lean import LeanModel
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv", _P), ("out", _P), ("gate_up", _P), ("down", _P),
+                ("keys", _P), ("values", _P)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("dim", _I), ("inter", _I), ("capacity", _I),
+                ("eps", ctypes.c_float)]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built extension, or None where it was not built or the CPU cannot run it."""
+    spec = importlib.util.find_spec("gateway.engine._kernels")
+    if spec is None or spec.origin is None:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    if not lib.q4_supported():
+        return None
+    lib.q4_matmul.argtypes = [_P, _I, _I, _P, _P, _I, ctypes.c_int]
+    lib.q4_matmul.restype = None
+    lib.q4_decode_layer.argtypes = [_P, _I, ctypes.POINTER(_Layer), ctypes.POINTER(_Shape), _P, _P, _P, _P, _P,
+                                    ctypes.c_int]
+    lib.q4_decode_layer.restype = ctypes.c_int
+    return lib
+
+
+class FastDecode:
+    """Every layer of `lean` in C for rows that each decode one token, on a float32 CPU pool. Built
+    only when every matrix product of `lean` holds kernel weights (`FastDecode.of`)."""
+
+    def __init__(self, lean: LeanModel, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.lean = lean
+        first = lean.layers[0]
+        self.inter = first.down.in_features
+        self.shape = _Shape(hidden=lean.hidden, heads=lean.num_heads, kv_heads=lean.num_kv_heads, dim=lean.head_dim,
+                            inter=self.inter, capacity=0, eps=lean.eps)
+        self.layers = (_Layer * len(lean.layers))()
+        for spec, layer in zip(self.layers, lean.layers, strict=True):
+            spec.attn_norm, spec.mlp_norm = layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()
+            for name in ("qkv", "out", "gate_up", "down"):
+                setattr(spec, name, getattr(layer, name).q4.data_ptr())
+        self._pool: tuple[int, int] | None = None  # the pool tensors the layers point at
+
+    @classmethod
+    def of(cls, lean: LeanModel) -> FastDecode | None:
+        lib = library()
+        linears = [m for layer in lean.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        if lib is None or lean.embed.device.type != "cpu" or any(m.q4 is None for m in linears) \
+                or lean.hidden % 16 or lean.head_dim % 16 or lean.head_dim > 256 or lean.num_heads % lean.num_kv_heads \
+                or any(t.dtype != torch.float32 or not t.is_contiguous()
+                       for layer in lean.layers for t in (layer.attn_norm, layer.mlp_norm)):
+            return None
+        return cls(lean, lib)
+
+    def runs(self, pool: KVPool) -> bool:
+        return pool.dtype == torch.float32 and pool.device.type == "cpu"
+
+    def step(self, pool: KVPool, x: torch.Tensor, slots: Sequence[int], positions: Sequence[int],
+             cos: torch.Tensor, signed_sin: torch.Tensor, threads: int) -> torch.Tensor:
+        """Run every layer on `x` `[rows, hidden]` (float32, updated in place and returned); row b is
+        the token at `positions[b]` of the sequence in `slots[b]`, its K/V written into the pool;
+        the matrix products split over `threads` threads."""
+        key = (pool.keys[0].data_ptr(), pool.capacity)
+        if key != self._pool:  # the pool was allocated or grown since the last step
+            for spec, k, v in zip(self.layers, pool.keys, pool.values, strict=True):
+                spec.keys, spec.values = k.data_ptr(), v.data_ptr()
+            self.shape.capacity = pool.capacity
+            self._pool = key
+        lean, rows = self.lean, x.shape[0]
+        q_width, kv_width = lean.num_heads * lean.head_dim, lean.num_kv_heads * lean.head_dim
+        per_row = lean.hidden + q_width + 2 * kv_width + q_width + 3 * self.inter
+        work = torch.empty(rows * per_row + pool.capacity + 16)
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+        for spec in self.layers:
+            if self.lib.q4_decode_layer(x.data_ptr(), rows, ctypes.byref(spec), ctypes.byref(self.shape),
+                                        cos.data_ptr(), signed_sin.data_ptr(), slot_t.data_ptr(), pos_t.data_ptr(),
+                                        work.data_ptr(), threads):
+                raise RuntimeError("q4_decode_layer refused the model's shape")
+        return x
