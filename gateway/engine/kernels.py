@@ -67,7 +67,6 @@ class FastDecode:
             spec.attn_norm, spec.mlp_norm = layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()
             for name in ("qkv", "out", "gate_up", "down"):
                 setattr(spec, name, getattr(layer, name).q4.data_ptr())
-        self._pool: tuple[int, int] | None = None  # the pool tensors the layers point at
 
     @classmethod
     def of(cls, lean: LeanModel) -> FastDecode | None:
@@ -88,12 +87,9 @@ class FastDecode:
         """Run every layer on `x` `[rows, hidden]` (float32, updated in place and returned); row b is
         the token at `positions[b]` of the sequence in `slots[b]`, its K/V written into the pool;
         the matrix products split over `threads` threads."""
-        key = (pool.keys[0].data_ptr(), pool.capacity)
-        if key != self._pool:  # the pool was allocated or grown since the last step
-            for spec, k, v in zip(self.layers, pool.keys, pool.values, strict=True):
-                spec.keys, spec.values = k.data_ptr(), v.data_ptr()
-            self.shape.capacity = pool.capacity
-            self._pool = key
+        for spec, k, v in zip(self.layers, pool.keys, pool.values, strict=True):  # a pool may grow or change
+            spec.keys, spec.values = k.data_ptr(), v.data_ptr()
+        self.shape.capacity = pool.capacity
         lean, rows = self.lean, x.shape[0]
         q_width, kv_width = lean.num_heads * lean.head_dim, lean.num_kv_heads * lean.head_dim
         per_row = lean.hidden + q_width + 2 * kv_width + q_width + 3 * self.inter
