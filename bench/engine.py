@@ -1,6 +1,7 @@
 """`kvgate bench engine`: decode and prefill tokens/s of the built-in engine, 1 and 2 threads,
-1/4/8/16 sessions, beside llama.cpp on the same GGUF file (when llama-cpp-python is installed)
-and beside the engine's previous path (transformers' forward, `--previous`).
+1/4/8/16 sessions, beside llama.cpp on the same GGUF file (when llama-cpp-python is installed),
+the engine's previous int4 path (torch's int4 kernel and operators, `--also-weights int4-torch`,
+the default when kvgate's own kernels run) and its first path (transformers' forward, `--previous`).
 
 Each kvgate row runs the engine's own step loop (`ModelRunner.step`, what the batch scheduler
 calls on its thread): S sequences of `--prompt-tokens` real text tokens each start together;
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from bench.engine_quality import DATA, agreement
+from gateway.engine.lean import LeanModel
 from gateway.engine.model import LoadedModel, load_model, smollm2_gguf
 from gateway.engine.restore import InitialCache
 from gateway.engine.runner import Generation, ModelRunner
@@ -103,7 +105,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-chunk", type=int, default=256)
-    parser.add_argument("--weights", default="auto", help="engine.weights: auto, int4, bfloat16, float32")
+    parser.add_argument("--weights", default="auto", help="engine.weights: auto, int4, int4-torch, bfloat16, float32")
+    parser.add_argument("--also-weights", default=None,
+                        help="other weight formats measured beside it, comma-separated (default: int4-torch where "
+                             "kvgate's kernels run)")
     parser.add_argument("--previous", action="store_true", help="also the previous path (transformers' forward)")
     parser.add_argument("--agreement-prompts", type=int, default=50, help="0 skips the agreement check")
     parser.add_argument("--no-llama-cpp", action="store_true")
@@ -114,6 +119,9 @@ def main(argv: list[str]) -> int:
                         weights=args.weights)
     assert loaded.lean is not None
     engines: list[tuple[str, LoadedModel, Any]] = [("kvgate", loaded, loaded.lean.weights)]
+    also = args.also_weights if args.also_weights is not None else "int4-torch" if loaded.lean.fast else ""
+    for weights in filter(None, also.split(",")):
+        engines.append(("kvgate", dataclasses.replace(loaded, lean=LeanModel(loaded.model, weights)), weights))
     if args.previous:
         previous = dataclasses.replace(loaded, lean=None)
         engines.append(("kvgate-transformers", previous, "float32"))
@@ -142,22 +150,32 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"model {loaded.model_id}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens per sequence")
+    report(summary, [weights for name, _, weights in engines if name == "kvgate"])
+    return 0
+
+
+def report(summary: dict[str, Any], formats: list[str]) -> None:
+    """The rows as a table, then the ratios the issue's aims are stated in."""
+    rows, quality = summary["rows"], summary["quality"]
+    print(f"model {summary['model']}, prompt {summary['prompt_tokens']} tokens, {summary['new_tokens']} new tokens "
+          "per sequence")
     cols = ["engine", "weights", "threads", "sessions", "decode_tokens_per_s", "prefill_tokens_per_s",
             "greedy_agreement"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in cols) + " |")
-    by = {(r["engine"], r["threads"], r["sessions"]): r["decode_tokens_per_s"] for r in rows}
-    one = by.get(("kvgate", 1, 1))
-    for sessions in (4, 8, 16):
-        if one and ("kvgate", 1, sessions) in by:
-            print(f"decode, {sessions} sessions / 1 (1 thread): {by[('kvgate', 1, sessions)] / one:.2f}x")
-    for threads in (1, 2):
-        mine, theirs = by.get(("kvgate", threads, 1)), by.get(("llama.cpp", threads, 1))
-        if mine and theirs:
-            print(f"decode, one sequence, {threads} thread(s), kvgate / llama.cpp: {mine / theirs:.2f}x")
+    by = {(r["engine"], r["weights"], r["threads"], r["sessions"]): r["decode_tokens_per_s"] for r in rows}
+    for weights in formats:
+        one = by.get(("kvgate", weights, 1, 1))
+        for sessions in (4, 8, 16):
+            if one and ("kvgate", weights, 1, sessions) in by:
+                print(f"decode, {sessions} sessions / 1 (1 thread, {weights}): "
+                      f"{by[('kvgate', weights, 1, sessions)] / one:.2f}x")
+        for threads in (1, 2):
+            mine, theirs = by.get(("kvgate", weights, threads, 1)), by.get(("llama.cpp", "Q4_1 GGUF", threads, 1))
+            if mine and theirs:
+                print(f"decode, one sequence, {threads} thread(s), kvgate ({weights}) / llama.cpp: "
+                      f"{mine / theirs:.2f}x")
     for weights, q in quality.items():
         print(f"{weights} vs float32: {q}")
-    return 0
