@@ -14,13 +14,15 @@ the previous default, also selectable as "int4-torch"): the same 4-bit values, b
 and bfloat16 activations, ~0.3% off per layer, which flips near-ties in greedy decoding (84% of 50
 prompts agreed with float32 over 32 tokens; `kvgate bench engine` measures it).
 
-Measured here (one thread, the linear maps of all 30 layers plus the vocabulary head, M rows at
-once, AMD EPYC): kvgate's kernel 7.2 ms at M=1, 9.1 at M=2, 13.1 at M=4, 25.9 at M=8, 51.4 at
-M=16 (two threads: 4.9 / 6.2 / 8.3 / 13.3 / 25.9); torch's int4 kernel 8.2 / 10.0 / 13.9 / 26.9 /
-53.0 (5.0 / 6.4 / 7.9 / 14.4 / 27.7). Both cost about one weight read per row: at M=16 the float32
-multiply-adds themselves bound it (a core does ~16 per cycle), so batches gain little per token.
-fbgemm's dynamic int8 (`quantized.linear_dynamic`) scales far better (8.6 / 10.5 / 10.2 / 15.3 ms)
-but quantizes each call's activations with one 7-bit scale: 16 sequences decoding together agreed
+Measured here (AMD EPYC, not under `quiet`): the linear maps of 30 distinct layers plus the head
+at one row, their weights streaming from memory as in a decode step, kvgate's kernel 7.5 ms against
+torch's int4 kernel's 10.3 (one thread) and 4.0 against 5.1 (two). With the same matrices over
+and over (cache-resident), both cost ~1.6 ns a group: at one thread de-quantizing, not memory,
+bounds them. At 16 rows kvgate's kernel is bound by the float32 multiply-adds themselves (16 a
+cycle on this core: ~50 ms for 16 tokens), which is why batches gain only ~2x per token; bfloat16
+or int8 arithmetic would gain more and give up float32's answers.
+fbgemm's dynamic int8 (`quantized.linear_dynamic`) scales far better (8.6 / 10.5 / 10.2 / 15.3 ms
+at 1 / 4 / 8 / 16 rows, cache-resident, an earlier session) but quantizes each call's activations with one 7-bit scale: 16 sequences decoding together agreed
 with float32 on 4% of the 50 prompts (next-token KL 0.15), so it is not used. From
 `DENSE_FROM_TOKENS` rows on (a prefill chunk) the float32 matrices win, so a layer keeps both
 when the float32 model is loaded anyway.
