@@ -32,13 +32,16 @@
 #define COLS 4 /* output rows computed together: independent accumulator chains */
 #define ROWS 4 /* activation rows per pass over the weights */
 #define BLOCK_BYTES 48 /* two groups: 32 bytes of 4-bit values, then d0, m0, d1, m1 as float32 */
+#define BLOCK_BYTES_8 72 /* two Q8_0 groups: 64 bytes of 8-bit values, then d0, d1 as float32 */
 
-/* One tile: output rows j0 .. j0 + COLS - 1 for the first `rows` rows of x. Inlined with a constant
-   `rows`, so the accumulators live in registers. */
+/* One tile: output rows j0 .. j0 + COLS - 1 for the first `rows` rows of x, from 4-bit blocks
+   (above) or, with bits 8, Q8_0's: 64 bytes of signed 8-bit q for two groups, then d0, d1 as
+   float32 (72 bytes), weight = q * d. Inlined with constant `rows` and `bits`, so the accumulators
+   live in registers. */
 static inline __attribute__((always_inline, target("avx512f"))) void
-tile(const float *x, int64_t k, const uint8_t *w, float *y, int64_t n, int64_t j0, const int rows)
+tile(const float *x, int64_t k, const uint8_t *w, float *y, int64_t n, int64_t j0, const int rows, const int bits)
 {
-    const int64_t pairs = k / (2 * GROUP);
+    const int64_t pairs = k / (2 * GROUP), block_bytes = bits == 4 ? BLOCK_BYTES : BLOCK_BYTES_8;
     const __m512 steps = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[COLS * ROWS];
     for (int i = 0; i < COLS * rows; i++)
@@ -46,15 +49,24 @@ tile(const float *x, int64_t k, const uint8_t *w, float *y, int64_t n, int64_t j
     for (int64_t p = 0; p < pairs; p++) {
         const float *xp = x + p * 2 * GROUP;
         for (int c = 0; c < COLS; c++) {
-            const uint8_t *block = w + ((j0 / COLS * pairs + p) * COLS + c) * BLOCK_BYTES;
-            const __m512i packed = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)block));
-            const float *dm = (const float *)(block + 32);
+            const uint8_t *block = w + ((j0 / COLS * pairs + p) * COLS + c) * block_bytes;
             for (int t = 0; t < 2; t++) {
-                /* the group's 16 possible weights, then each weight looked up by its 4-bit value
-                   (vpermps reads the low 4 bits of each lane) */
-                const __m512 values = _mm512_fmadd_ps(steps, _mm512_set1_ps(dm[2 * t]), _mm512_set1_ps(dm[2 * t + 1]));
-                const __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(packed, 8 * t), values);
-                const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(packed, 8 * t + 4), values);
+                __m512 w0, w1;
+                if (bits == 4) {
+                    const __m512i packed = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)block));
+                    const float *dm = (const float *)(block + 32);
+                    /* the group's 16 possible weights, then each weight looked up by its 4-bit
+                       value (vpermps reads the low 4 bits of each lane) */
+                    const __m512 values = _mm512_fmadd_ps(steps, _mm512_set1_ps(dm[2 * t]), _mm512_set1_ps(dm[2 * t + 1]));
+                    w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(packed, 8 * t), values);
+                    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(packed, 8 * t + 4), values);
+                } else {
+                    const __m512 d = _mm512_set1_ps(((const float *)(block + 64))[t]);
+                    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(block + 32 * t)))), d);
+                    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(block + 32 * t + 16)))), d);
+                }
                 for (int r = 0; r < rows; r++) {
                     const float *xr = xp + r * k + t * GROUP;
                     acc[c * rows + r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[c * rows + r]);
@@ -68,13 +80,16 @@ tile(const float *x, int64_t k, const uint8_t *w, float *y, int64_t n, int64_t j
             y[r * n + j0 + c] = _mm512_reduce_add_ps(acc[c * rows + r]);
 }
 
-#define TILES(rows)                                \
-    for (int64_t j = j_begin; j < j_end; j += COLS)    \
-        tile(x, k, w, y, n, j, rows)
+#define TILES(rows)                                     \
+    for (int64_t j = j_begin; j < j_end; j += COLS)         \
+        if (bits == 4)                                      \
+            tile(x, k, w, y, n, j, rows, 4);                \
+        else                                                \
+            tile(x, k, w, y, n, j, rows, 8)
 
 /* Output rows [j_begin, j_end) of y [m, n] for every activation row of x [m, k]. */
 __attribute__((target("avx512f"))) static void
-span(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t n,
+span(const float *x, int64_t m, int64_t k, const uint8_t *w, int bits, float *y, int64_t n,
      int64_t j_begin, int64_t j_end)
 {
     for (int64_t r0 = 0; r0 < m; r0 += ROWS, x += ROWS * k, y += ROWS * n) {
@@ -98,6 +113,7 @@ struct job {
     const float *x;
     int64_t m, k;
     const uint8_t *w;
+    int bits;
     float *y;
     int64_t n;
     int parts;
@@ -122,7 +138,7 @@ run_part(const struct job *job, int part)
     if (end > job->n)
         end = job->n;
     if (begin < end)
-        span(job->x, job->m, job->k, job->w, job->y, job->n, begin, end);
+        span(job->x, job->m, job->k, job->w, job->bits, job->y, job->n, begin, end);
 }
 
 static void *
@@ -158,17 +174,13 @@ q4_supported(void)
     return __builtin_cpu_supports("avx512f");
 }
 
-/* y [m, n] = x [m, k] @ W.T, W as `w` (above); k a multiple of 64, n of COLS.
-   `threads` parts of the output rows run at once: the caller's thread and threads - 1 helpers,
-   started on first use. A call made while another holds the helpers (KV Fuse on the restore
-   thread beside the model thread) runs on its caller's thread alone. */
-void
-q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t n, int threads)
+static void
+matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int bits, float *y, int64_t n, int threads)
 {
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
     if (threads <= 1 || n < 64 * threads || pthread_mutex_trylock(&busy) != 0) {
-        span(x, m, k, w, y, n, 0, n);
+        span(x, m, k, w, bits, y, n, 0, n);
         return;
     }
     while (helpers < threads - 1) {
@@ -181,7 +193,7 @@ q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int6
     }
     if (threads > helpers + 1)
         threads = helpers + 1;
-    current = (struct job){x, m, k, w, y, n, threads};
+    current = (struct job){x, m, k, w, bits, y, n, threads};
     atomic_store_explicit(&pending, helpers, memory_order_release);
     pthread_mutex_lock(&lock);
     atomic_fetch_add_explicit(&generation, 1, memory_order_acq_rel);
@@ -191,6 +203,23 @@ q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int6
     while (atomic_load_explicit(&pending, memory_order_acquire) > 0)
         _mm_pause();
     pthread_mutex_unlock(&busy);
+}
+
+/* y [m, n] = x [m, k] @ W.T, W as `w`: 4-bit blocks (above); k a multiple of 64, n of COLS.
+   `threads` parts of the output rows run at once: the caller's thread and threads - 1 helpers,
+   started on first use. A call made while another holds the helpers (KV Fuse on the restore
+   thread beside the model thread) runs on its caller's thread alone. */
+void
+q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t n, int threads)
+{
+    matmul(x, m, k, w, 4, y, n, threads);
+}
+
+/* The same with Q8_0 blocks (`tile`): SmolLM2's vocabulary head ships as Q8_0. */
+void
+q8_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t n, int threads)
+{
+    matmul(x, m, k, w, 8, y, n, threads);
 }
 
 /* ---- One decoder layer for a batch of decoding sequences (one new token each) ----------------

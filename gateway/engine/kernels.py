@@ -43,8 +43,9 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     if not lib.q4_supported():
         return None
-    lib.q4_matmul.argtypes = [_P, _I, _I, _P, _P, _I, ctypes.c_int]
-    lib.q4_matmul.restype = None
+    for matmul in lib.q4_matmul, lib.q8_matmul:
+        matmul.argtypes = [_P, _I, _I, _P, _P, _I, ctypes.c_int]
+        matmul.restype = None
     lib.q4_decode_layer.argtypes = [_P, _I, ctypes.POINTER(_Layer), ctypes.POINTER(_Shape), _P, _P, _P, _P, _P,
                                     ctypes.c_int]
     lib.q4_decode_layer.restype = ctypes.c_int

@@ -266,11 +266,12 @@ class LeanModel:
         return cos, sin, mask
 
     def _logits(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        """The vocabulary head. Through a lossy format (the head ships as Q8_0, not on int4's grid)
-        the `RESCORE` best candidates are scored again with the float32 rows, so the top of the
-        distribution, and with it every greedy choice, is the float32 one."""
+        """The vocabulary head. Through a lossy format (the head ships as Q8_0, not on int4's grid;
+        kvgate's kernel holds it as Q8_0, exactly) the `RESCORE` best candidates are scored again
+        with the float32 rows, so the top of the distribution, and with it every greedy choice, is
+        the float32 one."""
         logits = self.head(x, threads)
-        if not self.head.exact_for(x.shape[0]):
+        if not self.head.lossless and not self.head.exact_for(x.shape[0]):
             top = logits.topk(RESCORE, dim=-1).indices
             exact = torch.bmm(self.head_weight[top], x[:, :, None])[..., 0]
             logits.scatter_(1, top, exact)

@@ -22,10 +22,14 @@ bounds them. At 16 rows kvgate's kernel is bound by the float32 multiply-adds th
 cycle on this core: ~50 ms for 16 tokens), which is why batches gain only ~2x per token; bfloat16
 or int8 arithmetic would gain more and give up float32's answers.
 fbgemm's dynamic int8 (`quantized.linear_dynamic`) scales far better (8.6 / 10.5 / 10.2 / 15.3 ms
-at 1 / 4 / 8 / 16 rows, cache-resident, an earlier session) but quantizes each call's activations with one 7-bit scale: 16 sequences decoding together agreed
-with float32 on 4% of the 50 prompts (next-token KL 0.15), so it is not used. From
-`DENSE_FROM_TOKENS` rows on (a prefill chunk) the float32 matrices win, so a layer keeps both
-when the float32 model is loaded anyway.
+at 1 / 4 / 8 / 16 rows, cache-resident, an earlier session) but quantizes each call's activations
+with one 7-bit scale: 16 sequences decoding together agreed with float32 on 4% of the 50 prompts
+(next-token KL 0.15), so it is not used. From `DENSE_FROM_TOKENS` rows on (a prefill chunk) the
+float32 matrices win, so a layer keeps both when the float32 model is loaded anyway.
+
+The vocabulary head ships as Q8_0 (8-bit values and a float16 scale per 32): where the 4-bit
+packing cannot hold a matrix exactly and Q8_0 can, kvgate's kernel holds it as Q8_0 (`pack_q8`),
+so the head's logits are float32's too.
 """
 
 from __future__ import annotations
@@ -53,12 +57,18 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.dense: torch.Tensor | None = weight if fmt in ("float32", "int4", "int4-torch") else None
         self.half: torch.Tensor | None = None
-        self.q4: torch.Tensor | None = None
+        self.q4: torch.Tensor | None = None  # kvgate's kernel: 4-bit blocks ...
+        self.q8: torch.Tensor | None = None  # ... or, for a matrix that ships as Q8_0, 8-bit ones
+        self.lossless = fmt == "float32"  # the products read the float32 weights exactly
         self.packed: torch.Tensor | None = None
         self.scale_zero: torch.Tensor | None = None
         kernel = kernels.library() if fmt == "int4" and weight.device.type == "cpu" else None
         if kernel is not None and not weight.shape[1] % (2 * GROUP) and not weight.shape[0] % 4:
-            self.q4 = pack_q4(weight)
+            self.q4, self.lossless = pack_q4(weight)
+            if not self.lossless:
+                q8, exact = pack_q8(weight)
+                if exact:
+                    self.q4, self.q8, self.lossless = None, q8, True
         elif fmt in ("int4", "int4-torch") and int4_available(weight.device) \
                 and hasattr(torch, "_weight_int4pack_mm_for_cpu") and not weight.shape[0] % 16 \
                 and not weight.shape[1] % GROUP:
@@ -69,18 +79,21 @@ class Linear:
     def exact_for(self, num_rows: int) -> bool:
         """Whether `num_rows` rows at once go through the float32 weights."""
         return self.dense is not None and self.half is None and (
-            (self.packed is None and self.q4 is None) or num_rows >= DENSE_FROM_TOKENS)
+            (self.packed is None and self.q4 is None and self.q8 is None) or num_rows >= DENSE_FROM_TOKENS)
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """`threads`: how many threads kvgate's kernel splits the product over (torch's count if None)."""
         if self.exact_for(x.shape[0]):
             return torch.nn.functional.linear(x, self.dense)  # type: ignore[arg-type]
-        if self.q4 is not None:
+        if self.q4 is not None or self.q8 is not None:
+            lib = kernels.library()
+            assert lib is not None
             x = x.contiguous()
             y = torch.empty(x.shape[0], self.out_features)
-            kernels.library().q4_matmul(  # type: ignore[union-attr]
-                x.data_ptr(), x.shape[0], self.in_features, self.q4.data_ptr(), y.data_ptr(), self.out_features,
-                threads or torch.get_num_threads())
+            matmul, blocks = (lib.q4_matmul, self.q4) if self.q4 is not None else (lib.q8_matmul, self.q8)
+            assert blocks is not None
+            matmul(x.data_ptr(), x.shape[0], self.in_features, blocks.data_ptr(), y.data_ptr(), self.out_features,
+                   threads or torch.get_num_threads())
             return y
         if self.packed is not None:
             assert self.scale_zero is not None
@@ -89,8 +102,9 @@ class Linear:
         return torch.nn.functional.linear(x.to(torch.bfloat16), self.half).float()
 
 
-def pack_q4(weight: torch.Tensor) -> torch.Tensor:
-    """float32 `[N, K]` (K a multiple of 64, N of 4) -> the bytes `kernels.c` reads.
+def pack_q4(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """float32 `[N, K]` (K a multiple of 64, N of 4) -> the bytes `kernels.c` reads, and whether they
+    hold `weight` exactly.
 
     Per group of 32 along K: the minimum, and the scale from the maximum (15 steps above it), taken
     at float16 where that reproduces the group exactly (a Q4_1 group's scale is a float16, and the
@@ -103,7 +117,7 @@ def pack_q4(weight: torch.Tensor) -> torch.Tensor:
     best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     for scale in step.half().double(), step.float().double():
         q = torch.round((groups - low) / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(0, 15)
-        error = (q * scale + low - groups).abs().amax(dim=-1, keepdim=True)
+        error = ((q * scale + low).float().double() - groups).abs().amax(dim=-1, keepdim=True)  # as the kernel rounds
         if best is None:
             best = (q, scale, error)
         else:
@@ -115,8 +129,28 @@ def pack_q4(weight: torch.Tensor) -> torch.Tensor:
     scale_min = torch.stack([best[1], low], dim=-1).reshape(n, k // 64, 4).float()
     blocks = torch.cat([words.view(torch.uint8).reshape(n, k // 64, 32),
                         scale_min.view(torch.uint8).reshape(n, k // 64, 16)], dim=-1)
-    # tile by tile (4 output rows), block by block, row by row: the order the kernel reads
-    return blocks.reshape(n // 4, 4, k // 64, BLOCK_BYTES).transpose(1, 2).contiguous()
+    return _tiles(blocks), bool((best[2] == 0).all())
+
+
+def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """float32 `[N, K]` -> Q8_0 blocks as `kernels.c` reads them (per group of 32: signed 8-bit q
+    and a scale, weight = q * scale, the scale the float16 of max |weight| / 127 as GGUF makes it),
+    and whether they hold `weight` exactly (they do for a matrix that shipped as Q8_0)."""
+    n, k = weight.shape
+    groups = weight.double().reshape(n, k // GROUP, GROUP)
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / 127).half().double()
+    q = torch.round(groups / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(-127, 127)
+    exact = bool(((q * scale).float().double() == groups).all())  # as the kernel rounds
+    blocks = torch.cat([q.to(torch.int8).view(torch.uint8).reshape(n, k // 64, 64),
+                        scale.float().reshape(n, k // 64, 2).view(torch.uint8)], dim=-1)
+    return _tiles(blocks), exact
+
+
+def _tiles(blocks: torch.Tensor) -> torch.Tensor:
+    """`[N, blocks, bytes]` -> tile by tile (4 output rows), block by block, row by row: the order
+    the kernel reads them in."""
+    n, count, size = blocks.shape
+    return blocks.reshape(n // 4, 4, count, size).transpose(1, 2).contiguous()
 
 
 def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

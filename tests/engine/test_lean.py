@@ -93,10 +93,19 @@ def test_q4_kernel_holds_the_q4_1_weights_exactly_and_multiplies_in_float32(
         finally:
             torch.set_num_threads(threads)
 
+    head = loaded_model.model.get_output_embeddings().weight.detach()  # type: ignore[operator]
+    int8 = Linear(head, "int4")
+    assert int8.q8 is not None and int8.q4 is None and int8.lossless  # it ships as Q8_0, held as such
+    eye = torch.eye(head.shape[1])
+    assert torch.equal(torch.cat([int8(eye[i : i + 16]) for i in range(0, head.shape[1], 16)]).T, head)
+
     lean = LeanModel(loaded_model.model, "int4")
     ids = chat_ids(loaded_model, [{"role": "user", "content": QUESTIONS[1]}])
     pool, other = _pool(loaded_model), _pool(loaded_model)
     assert _greedy(lean, pool, pool.allocate(), ids, 16) == _greedy(exact, other, other.allocate(), ids, 16)
+    # every logit, not only the greedy choice: the whole distribution is float32's up to rounding
+    step = [Feed(pool.used.index(True), len(ids) + 16, [ids[0]])]
+    torch.testing.assert_close(lean.forward(pool, step), exact.forward(other, step), atol=1e-3, rtol=1e-4)
 
 
 def test_batched_decode_over_the_pool_matches_each_alone(loaded_model: LoadedModel, exact: LeanModel) -> None:
