@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from gateway.engine.kernels import FastDecode
 from gateway.engine.kvpool import KVPool
 from gateway.engine.quant import Linear
+from gateway.runtime import torch_on_one_thread
 
 RESCORE = 16  # head candidates re-scored in float32 after a low-precision head
 
@@ -196,18 +197,12 @@ class LeanModel:
         end = max(positions) + 1
         pool.reserve(end)
         cos, sin = self._rope(torch.tensor(positions), end)
-        # The kernels split their work over `threads` threads of their own; torch's own threads
-        # would spin between its operators here, on the same cores, so torch runs on one meanwhile.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with torch_on_one_thread() as threads:  # the kernels split their work over threads of their own
             x = self.fast.step(pool, self.embed[torch.tensor([f.tokens[0] for f in feeds])], [f.slot for f in feeds],
                                positions, cos[:, 0], sin[:, 0], threads)
             for f in feeds:
                 pool.lengths[f.slot] = f.start + 1
             return self._logits(F.rms_norm(x, (self.hidden,), self.norm, self.eps), threads)
-        finally:
-            torch.set_num_threads(threads)
 
     @torch.inference_mode()
     def recompute(self, pool: KVPool, slot: int, tokens: Sequence[int] | torch.Tensor, positions: torch.Tensor,
