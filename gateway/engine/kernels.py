@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,7 @@ class FastDecode:
             spec.attn_norm, spec.mlp_norm = layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()
             for name in ("qkv", "out", "gate_up", "down"):
                 setattr(spec, name, getattr(layer, name).q4.data_ptr())
+        self._lock = threading.Lock()
 
     @classmethod
     def of(cls, lean: LeanModel) -> FastDecode | None:
@@ -87,7 +89,13 @@ class FastDecode:
              cos: torch.Tensor, signed_sin: torch.Tensor, threads: int) -> torch.Tensor:
         """Run every layer on `x` `[rows, hidden]` (float32, updated in place and returned); row b is
         the token at `positions[b]` of the sequence in `slots[b]`, its K/V written into the pool;
-        the matrix products split over `threads` threads."""
+        the matrix products split over `threads` threads. One call at a time (the layers point at one
+        pool): the model thread's steps, and a one-token KV Fuse chunk stored from another thread."""
+        with self._lock:
+            return self._step(pool, x, slots, positions, cos, signed_sin, threads)
+
+    def _step(self, pool: KVPool, x: torch.Tensor, slots: Sequence[int], positions: Sequence[int],
+              cos: torch.Tensor, signed_sin: torch.Tensor, threads: int) -> torch.Tensor:
         for spec, k, v in zip(self.layers, pool.keys, pool.values, strict=True):  # a pool may grow or change
             spec.keys, spec.values = k.data_ptr(), v.data_ptr()
         self.shape.capacity = pool.capacity
