@@ -69,7 +69,7 @@ class Linear:
                 q8, exact = pack_q8(weight)
                 if exact:
                     self.q4, self.q8, self.lossless = None, q8, True
-        elif fmt in ("int4", "int4-torch") and int4_available(weight.device) \
+        elif fmt in ("int4", "int4-torch") and weight.device.type == "cpu" \
                 and hasattr(torch, "_weight_int4pack_mm_for_cpu") and not weight.shape[0] % 16 \
                 and not weight.shape[1] % GROUP:
             self.packed, self.scale_zero = pack_int4(weight)
@@ -114,22 +114,21 @@ def pack_q4(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     groups = weight.double().reshape(n, k // GROUP, GROUP)
     low = groups.amin(dim=-1, keepdim=True)
     step = (groups.amax(dim=-1, keepdim=True) - low) / 15
-    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    for scale in step.half().double(), step.float().double():
+
+    def on_grid(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """4-bit values at `scale`, and each group's largest error as the kernel rounds (float32)."""
         q = torch.round((groups - low) / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(0, 15)
-        error = ((q * scale + low).float().double() - groups).abs().amax(dim=-1, keepdim=True)  # as the kernel rounds
-        if best is None:
-            best = (q, scale, error)
-        else:
-            better = error < best[2]
-            best = (torch.where(better, q, best[0]), torch.where(better, scale, best[1]), torch.minimum(error, best[2]))
-    assert best is not None
-    q = best[0].to(torch.int32).reshape(n, k // 64, 4, 16)  # [block, t, i]: weight 16 t + i of the block
+        return q, ((q * scale + low).float().double() - groups).abs().amax(dim=-1, keepdim=True)
+
+    scale16, scale32 = step.half().double(), step.float().double()
+    (q16, error16), (q32, error32) = on_grid(scale16), on_grid(scale32)
+    wider = error32 < error16
+    q = torch.where(wider, q32, q16).to(torch.int32).reshape(n, k // 64, 4, 16)  # [block, t, i]: weight 16 t + i
     words = (q[:, :, 0] | q[:, :, 1] << 4 | q[:, :, 2] << 8 | q[:, :, 3] << 12).to(torch.int16)
-    scale_min = torch.stack([best[1], low], dim=-1).reshape(n, k // 64, 4).float()
+    scale_min = torch.stack([torch.where(wider, scale32, scale16), low], dim=-1).reshape(n, k // 64, 4).float()
     blocks = torch.cat([words.view(torch.uint8).reshape(n, k // 64, 32),
                         scale_min.view(torch.uint8).reshape(n, k // 64, 16)], dim=-1)
-    return _tiles(blocks), bool((best[2] == 0).all())
+    return _tiles(blocks), bool((torch.minimum(error16, error32) == 0).all())
 
 
 def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
