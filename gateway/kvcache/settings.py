@@ -28,6 +28,7 @@ class EvictionPolicyName(StrEnum):
     LRU = "lru"
     S3FIFO = "s3fifo"
     ARC = "arc"
+    ARC_TAIL = "arc-tail"
 
 
 class AdmissionName(StrEnum):

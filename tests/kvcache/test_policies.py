@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import random
 
+from gateway.kvcache.factory import build_metadata_manager
 from gateway.kvcache.keys import BlockHash, block_hash_from_id
-from gateway.kvcache.policies import ARCPolicy, CanEvict, LRUPolicy, S3FIFOPolicy, build_policy
-from gateway.kvcache.settings import EvictionPolicyName
+from gateway.kvcache.policies import ARCPolicy, ARCTailPolicy, CanEvict, LRUPolicy, S3FIFOPolicy, build_policy
+from gateway.kvcache.settings import EvictionPolicyName, KVCacheSettings
 
 
 def _h(i: int) -> BlockHash:
@@ -142,3 +143,45 @@ def test_s3fifo_victim_is_the_oldest_untouched_block_of_the_small_queue() -> Non
         p.insert(_h(i))
     p.touch(_h(0))
     assert p.victim(lambda h: True) == _h(1) == p.evict(lambda h: True)
+
+
+def test_arc_tail_evicts_the_last_block_of_a_stored_prompt_first() -> None:
+    old, new = [_h(i) for i in range(4)], [_h(i) for i in range(10, 14)]
+    plain, tail = ARCPolicy(), ARCTailPolicy()
+    for p in (plain, tail):
+        _fill(p, old, capacity=8)
+        _fill(p, new, capacity=8)
+    # The manager touches a request tail first, so plain ARC already takes the oldest request
+    # from its tail; arc-tail takes the newest request's last (partial) block before that.
+    assert [plain.evict(lambda h: True) for _ in range(2)] == [old[-1], old[-2]]
+    assert [tail.evict(lambda h: True) for _ in range(3)] == [new[-1], old[-1], old[-2]]
+
+
+def test_arc_tail_does_not_park_prefetched_blocks() -> None:
+    p = ARCTailPolicy()
+    _fill(p, [_h(0), _h(1)], capacity=8)
+    chain = [_h(i) for i in range(10, 14)]
+    for h in chain:  # prefetch: insert and touch one block at a time
+        p.insert(h)
+        p.touch(h)
+    p.touch(_h(0))  # a later lookup
+    order = [p.evict(lambda h: True) for _ in range(len(p))]
+    assert order.index(_h(1)) < min(order.index(h) for h in chain[:-1])
+    assert order[0] == chain[-1]  # the last prefetched block is parked (the documented cost)
+
+
+def test_arc_tail_in_the_manager_keeps_more_of_the_older_conversation() -> None:
+    """Through the manager's real call order: a full tier drops the newest prompts' last blocks
+    before the older conversation's blocks, so its next turn finds more of its prefix."""
+    first = [_h(i) for i in (0, 20, 21, 22)]  # one conversation; 22 is its partial last block
+    second = [_h(i) for i in (0, 1, 2, 3)]
+    third = [_h(i) for i in (0, 30, 31)]
+    found = {}
+    for name in (EvictionPolicyName.ARC, EvictionPolicyName.ARC_TAIL):
+        m = build_metadata_manager([("device", 7)], block_size=1,
+                                   settings=KVCacheSettings(block_size=1, eviction_policy=name))
+        for request in (first, second, third):
+            m.load(m.lookup_hashes(request))
+            m.store_hashes(request)
+        found[name] = len(m.lookup_hashes([_h(i) for i in (0, 20, 21, 23)]).block_hashes)
+    assert found == {EvictionPolicyName.ARC: 2, EvictionPolicyName.ARC_TAIL: 3}
