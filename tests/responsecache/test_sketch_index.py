@@ -74,7 +74,13 @@ def test_the_prejudge_passes_paraphrases_and_rules_out_neighbours_the_judge_woul
         return [m.query or "" for m in metas]
 
     assert stored[0] in named("How can I reset the password of my wifi router?")
-    assert named("Which wifi router is best for working from home?") == []
+    # Above the floor for the gaming question, and the judge refuses it (p 0.024): ruled out by the
+    # prejudge. ("Which wifi router is best for working from home?" is passed: the judge gives it
+    # 0.48 against the gaming question, a chance worth an embedding.)
+    other = "Why is my wifi router so slow?"
+    assert plausible(index, PartitionKey("p"), sketcher.sketch(other), other, sketcher.floor(other), None, 0.0), \
+        "without the prejudge it has a candidate above the floor"
+    assert named(other) == []
     numbered = "How do I reset my wifi router password 2 times?"
     assert plausible(index, PartitionKey("p"), sketcher.sketch(numbered), numbered, 0.0, None, 0.0), \
         "without the prejudge the numbered variant has candidates"

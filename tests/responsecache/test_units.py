@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import orjson
 import pytest
 
@@ -163,16 +164,46 @@ def test_reordering_that_keeps_the_question_is_not_vetoed(a: str, b: str) -> Non
 def test_verifier_trees_match_their_export() -> None:
     """The shipped weights load, evaluate to probabilities, and pick a threshold from the curve."""
     from gateway.responsecache.language import Language
-    from gateway.responsecache.verifier import Verifier, candidate_features
+    from gateway.responsecache.verifier import Verifier
 
     verifier = Verifier.load(0.01)
     assert set(verifier.thresholds) == {"en", "zh"}
     assert all(0.5 < t < 1.0 for t in verifier.thresholds.values())
-    features = candidate_features("how do i reset my router", "how do i reset my router", 0, [1.0], 0.75)
-    assert 0.0 < verifier.probability(features, Language.ENGLISH) < 1.0
-    lower = candidate_features("how do i reset my router", "how do i reset my router", 0, [0.9], 0.75)
-    english = Language.ENGLISH
+    english, u = Language.ENGLISH, _unit(0)
+    text = "how do i reset my router"
+    features = verifier.features(u, u, text, text, 0, [1.0], english)
+    assert 0.0 < verifier.probability(features, english) < 1.0
+    lower = verifier.features(u, u, text, text, 0, [0.9], english)
     assert verifier.probability(lower, english) <= verifier.probability(features, english)  # monotonic in cosine
+
+
+def _unit(seed: int) -> np.ndarray:
+    vector = np.random.default_rng(seed).standard_normal(384).astype(np.float32)
+    return vector / np.linalg.norm(vector)
+
+
+def test_pair_head_is_symmetric_and_feeds_the_trees() -> None:
+    """The shipped weights carry a pair head per language. It reads both embeddings, in either
+    order alike, and the trees rise with its logit (monotonic): a head that sees two embeddings as
+    a paraphrase can only raise the probability of the same candidate."""
+    import json
+
+    from gateway.responsecache.language import Language
+    from gateway.responsecache.verifier import WEIGHTS_PATH, PairHead, Verifier
+
+    data = json.loads(WEIGHTS_PATH.read_text())
+    assert set(data["heads"]) == {"en", "zh"}
+    head = PairHead(data["heads"]["en"])
+    u, v = _unit(1), _unit(2)
+    assert head.logit(u, v) == pytest.approx(head.logit(v, u), abs=1e-5)
+    verifier = Verifier.load(0.01)
+    text, other = "how do i reset my router", "how can i reset my wifi router"
+    features = verifier.features(u, v, text, other, 0, [0.9, 0.8], Language.ENGLISH)
+    assert len(features) == len(verifier.features(u, v, text, other, 0, [0.9, 0.8], Language.CHINESE))
+    assert features[-1] == pytest.approx(head.logit(u, v), abs=1e-5)
+    sure, doubtful = features.copy(), features.copy()
+    sure[-1], doubtful[-1] = 20.0, -20.0
+    assert verifier.probability(sure, Language.ENGLISH) > verifier.probability(doubtful, Language.ENGLISH)
 
 
 @pytest.mark.parametrize("a, b, reason", [
@@ -244,7 +275,7 @@ def test_verifier_scores_each_language_with_its_own_trees(tmp_path) -> None:
     import json
 
     from gateway.responsecache.language import Language
-    from gateway.responsecache.verifier import WEIGHTS_PATH, Verifier, candidate_features
+    from gateway.responsecache.verifier import WEIGHTS_PATH, Verifier
 
     data = json.loads(WEIGHTS_PATH.read_text())
     assert set(data["trees"]) == {"en", "zh"}, "the shipped weights hold one model per language"
@@ -253,6 +284,7 @@ def test_verifier_scores_each_language_with_its_own_trees(tmp_path) -> None:
     (tmp_path / "joint.json").write_text(json.dumps({**data, "trees": english}))  # one model for both
     (tmp_path / "split.json").write_text(json.dumps({**data, "trees": {"en": english, "zh": shifted}}))
     joint, split = Verifier.load(0.01, tmp_path / "joint.json"), Verifier.load(0.01, tmp_path / "split.json")
-    features = candidate_features("how do i reset my router", "how do i reset my router", 0, [1.0], 0.75)
+    u, text = _unit(0), "how do i reset my router"
+    features = split.features(u, u, text, text, 0, [1.0], Language.ENGLISH)
     assert split.probability(features, Language.ENGLISH) == joint.probability(features, Language.ENGLISH)
     assert split.probability(features, Language.CHINESE) < joint.probability(features, Language.CHINESE)
