@@ -81,3 +81,26 @@ def test_codecs_do_not_read_each_other() -> None:
     x = torch.randn(8).to(torch.bfloat16)
     with pytest.raises(CorruptBlockError):
         build_codec(CodecName.SHRINK_LZ4).decode(build_codec(CodecName.SHRINK_ZSTD).encode(x))
+
+
+@pytest.mark.parametrize("name", list(CodecName))
+def test_version_2_blobs_with_a_crc32_are_still_read(name: CodecName) -> None:
+    """Blocks written to disk or Redis before the checksum became XXH3-64 (version 3) end in a
+    crc32 (version 2): they still decode, and damage in them is still caught."""
+    import struct
+    import zlib
+
+    codec = build_codec(name)
+    x = _edge_tensor(torch.bfloat16)
+    blob = codec.encode(x)
+    assert blob[4] == 3
+    body = bytearray(blob[:-8])
+    body[4] = 2
+    old = bytes(body) + struct.pack("<I", zlib.crc32(body))
+    assert torch.equal(_bits(codec.decode(old)), _bits(x))
+    bad = bytearray(old)
+    bad[len(old) // 2] ^= 0x01
+    with pytest.raises(CorruptBlockError):
+        codec.decode(bytes(bad))
+    with pytest.raises(CorruptBlockError):  # a version 2 body under a version 3 checksum is damage too
+        codec.decode(bytes(body) + blob[-8:])

@@ -3,7 +3,7 @@
 Writes are crash-safe: encode, write to a temp file in `tmp/`, fsync, then `os.replace` into
 place, so a block file is either complete or absent (a process killed mid-write leaves only a temp
 file, removed on the next start). The index is the directory itself: `scan` lists it on start.
-Every read checks the codec's crc32, so a file damaged on disk raises CorruptBlockError and the
+Every read checks the codec's checksum, so a file damaged on disk raises CorruptBlockError and the
 manager deletes it.
 """
 
