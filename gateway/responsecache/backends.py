@@ -5,13 +5,14 @@
     openai                  an OpenAI-compatible `/v1/embeddings` server (`embedding_url`, e.g. a GPU
                             embedding server in a deployment serving multilingual-e5-small)
 
-The judge's features and thresholds were calibrated on multilingual-e5-small's cosines
-(`bench/semantic_train.py`); another model's cosines mean something else, and its hits would be
-served at an unknown error rate. So a backend other than the built-in one is accepted only when it
-embeds the calibration sample (`data/sample_pairs.jsonl`) as the built-in model does: each text
-within `MIN_AGREEMENT` cosine of the built-in vector, in one of two forms (the text as is, or with
-e5's "query: " prefix, for a server that does not add it). Otherwise the gateway refuses to start
-and says why. Every backend exposes `query(texts) -> (n, 384) unit rows`, what `Embedder` calls.
+The judge's features and thresholds were calibrated on multilingual-e5-small's cosines, and its
+pair head reads the vectors themselves (`bench/semantic_train.py`); another model's vectors mean
+something else, and its hits would be served at an unknown error rate. So a backend other than
+the built-in one is accepted only when it embeds the calibration sample
+(`data/sample_pairs.jsonl`) as the built-in model does: each text within `MIN_AGREEMENT` cosine of
+the built-in vector, in one of two forms (the text as is, or with e5's "query: " prefix, for a
+server that does not add it). Otherwise the gateway refuses to start and says why. Every backend
+exposes `query(texts) -> (n, 384) unit rows`, what `Embedder` calls.
 """
 
 from __future__ import annotations
