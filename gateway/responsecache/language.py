@@ -2,11 +2,14 @@
 
 The verifier is validated on English (QQP) and Chinese (LCQMC) only. Any other text gets exact-cache
 answers and never a semantic guess, so detection errs towards "unknown". Latin-script text counts as
-English when it holds common English function words, or, for short commands that have none ("Name
-three primary colors."), when it is plain ASCII, holds no common function word of another Latin
-language, and at least `MIN_VOCABULARY_SHARE` of its words are among the 20,000 most frequent words
-of the cl100k tokenizer (the sketch table's English vocabulary). Han text counts as Chinese only
-without kana or hangul (Japanese and Korean share Han characters).
+English when it holds more distinct common English function words than function words of another
+Latin language ("Qual é a capital do Brasil?" holds "a" and "do", and "qual" and "é"; "Was ist die
+Hauptstadt von Frankreich?" holds "was", and "ist" and "von"), or, for short
+commands that have none ("Name three primary colors."), when it is plain ASCII, holds no common
+function word of another Latin language, and at least `MIN_VOCABULARY_SHARE` of its words are
+among the 20,000 most frequent words of the cl100k tokenizer (the sketch table's English
+vocabulary). Han text counts as Chinese only without kana or hangul (Japanese and Korean share Han
+characters).
 """
 
 from __future__ import annotations
@@ -38,7 +41,12 @@ _OTHER_LATIN = frozenset(re.findall(r"\S+", """le la les des du et est une un en
 ne qui que quel quelle comment je tu il nous vous ils el los las del y es para por con una como qué
 cual donde o em os uma nao voce di che non per della sono ich du und der die das ist nicht mit ein eine
 wie was wo zu het een niet van ik este esta estos estas ese esa uno dos tres cinco tre drei trois deux
-cette ces"""))
+cette ces qual quais von im auf bist sind mein dein é à è está são não também über für ça où qué"""))
+# Other-language function words that English text uses too ("Was Hitler...", "non-profit", "pay per
+# call", "La La Land", a variable y): they keep a short command from reading as English, but do not
+# count against a text that holds English function words.
+_SHARED_WITH_ENGLISH = frozenset({"die", "non", "per", "la", "van", "con", "y", "o", "e", "en", "mein", "pro",
+                                  "comment"})
 MIN_VOCABULARY_SHARE = 0.6
 
 
@@ -80,8 +88,12 @@ def language_of(text: str) -> Language | None:
     words = _LATIN_WORD.findall(text)
     if not words or sum(len(w) for w in words) < 0.9 * letters:
         return None
-    if any(w.lower() in _ENGLISH for w in words):
-        return Language.ENGLISH
+    # Whole words, accented letters included: "ça" must not read as the English "a".
+    lowered = {w.lower() for w in _WORD.findall(text)}
+    english = len(lowered & _ENGLISH)
+    if english:
+        other = len(lowered & _OTHER_LATIN - _ENGLISH - _SHARED_WITH_ENGLISH)
+        return Language.ENGLISH if english > other else None
     if _english_command(words, text):
         return Language.ENGLISH
     return None

@@ -256,6 +256,16 @@ def test_language_of() -> None:
                  "Noem drie primaire kleuren.", "Lista tres frutas.", "Resume este articulo.",
                  "Nomme trois couleurs primaires.", "Schreibe ein kurzes Gedicht."):
         assert language_of(text) is None, text
+    # A question in another language that happens to hold an English function word ("a", "do",
+    # "was", or the "a" that [A-Za-z] words would cut out of "ça") is not English: the English judge
+    # would score it (0.009% of QQP's English questions read as other languages by this rule) ...
+    for text in ("Qual é a capital do Brasil?", "Was ist die Hauptstadt von Frankreich?", "Bonjour, comment ça va?",
+                 "Cuál es la capital de España y por qué?"):
+        assert language_of(text) is None, text
+    # ... while English that borrows their words stays English.
+    for text in ("Was Hitler a great orator?", "Is non-woven bag making profitable?", "How do Pokémon die?",
+                 "Should José Mourinho take over Manchester United?", "If 3x-y=9 and x+y=7, what is y?"):
+        assert language_of(text) is Language.ENGLISH, text
 
 
 def test_differing_parts_of_long_shared_contexts() -> None:
