@@ -215,6 +215,8 @@ def test_pair_head_is_symmetric_and_feeds_the_trees() -> None:
     ("年薪5万要交多少个人所得税？", "年薪50万要交多少个人所得税？", "number"),
     ("五千块钱买什么手机好？", "一万块钱买什么手机好？", "number"),
     ("走5公里需要多长时间？", "走5英里需要多长时间？", "unit"),
+    ("良药苦口利于病的下一句", "良药苦口利于病的上一句", "antonym"),
+    ("八上英语配套练习册答案", "八下英语配套练习册答案", "antonym"),
 ])
 def test_chinese_hard_negatives_are_vetoed(a: str, b: str, reason: str) -> None:
     assert hard_negative(a, b) == reason
