@@ -312,13 +312,14 @@ def main(argv: list[str] | None = None) -> int:
         dups = Duplicates(pairs)
         train, calib, valid = split(pairs)
         size = CACHE_SIZE[name]
-        oof, final = None, None
+        train_head: Callable[[Pair], PairHead] | None = None  # each training query's out-of-fold head
+        calib_head: Callable[[Pair], PairHead] | None = None  # the head that ships, for every query
         if args.pair_head:
             heads[SOURCE_LANGUAGE[name]] = fit_head(train, vectors)
-            oof, final = out_of_fold_heads(train, vectors), PairHead(heads[SOURCE_LANGUAGE[name]])
-        tr = retrieval_examples(caches(train, size, [p.a for p in calib + valid], 0), vectors, dups, oof)
-        ca = retrieval_examples(caches(calib, size, [p.a for p in train + valid], 1), vectors, dups,
-                                final and (lambda _pair, head=final: head))
+            final = PairHead(heads[SOURCE_LANGUAGE[name]])
+            train_head, calib_head = out_of_fold_heads(train, vectors), lambda _pair, head=final: head
+        tr = retrieval_examples(caches(train, size, [p.a for p in calib + valid], 0), vectors, dups, train_head)
+        ca = retrieval_examples(caches(calib, size, [p.a for p in train + valid], 1), vectors, dups, calib_head)
         train_ex.append(tr)
         calib_ex.append(ca)
         data[name] = (pairs, vectors, dups, train, calib, valid)

@@ -168,7 +168,7 @@ class BlobCodec:
         if len(whole) < 13 or whole[:4] != MAGIC:
             raise CorruptBlockError("not a KV block blob")
         version = whole[4]
-        if version == VERSION and len(whole) >= 17:
+        if version == VERSION and len(whole) >= 17:  # the 8-byte header, num_planes, the checksum
             view = whole[:-8]
             valid = xxhash.xxh3_64_intdigest(view) == struct.unpack_from("<Q", whole, len(view))[0]
         elif version == _CRC32_VERSION:

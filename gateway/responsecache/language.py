@@ -4,12 +4,11 @@ The verifier is validated on English (QQP) and Chinese (LCQMC) only. Any other t
 answers and never a semantic guess, so detection errs towards "unknown". Latin-script text counts as
 English when it holds more distinct common English function words than function words of another
 Latin language ("Qual é a capital do Brasil?" holds "a" and "do", and "qual" and "é"; "Was ist die
-Hauptstadt von Frankreich?" holds "was", and "ist" and "von"), or, for short
-commands that have none ("Name three primary colors."), when it is plain ASCII, holds no common
-function word of another Latin language, and at least `MIN_VOCABULARY_SHARE` of its words are
-among the 20,000 most frequent words of the cl100k tokenizer (the sketch table's English
-vocabulary). Han text counts as Chinese only without kana or hangul (Japanese and Korean share Han
-characters).
+Hauptstadt von Frankreich?" holds "was", and "ist" and "von"), or, for short commands that have
+none ("Name three primary colors."), when it is plain ASCII, holds no common function word of
+another Latin language, and at least `MIN_VOCABULARY_SHARE` of its words are among the 20,000 most
+frequent words of the cl100k tokenizer (the sketch table's English vocabulary). Han text counts as
+Chinese only without kana or hangul (Japanese and Korean share Han characters).
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ cette ces qual quais von im auf bist sind mein dein é à è está são não tam
 # count against a text that holds English function words.
 _SHARED_WITH_ENGLISH = frozenset({"die", "non", "per", "la", "van", "con", "y", "o", "e", "en", "mein", "pro",
                                   "comment"})
+_AGAINST_ENGLISH = _OTHER_LATIN - _ENGLISH - _SHARED_WITH_ENGLISH
 MIN_VOCABULARY_SHARE = 0.6
 
 
@@ -92,8 +92,7 @@ def language_of(text: str) -> Language | None:
     lowered = {w.lower() for w in _WORD.findall(text)}
     english = len(lowered & _ENGLISH)
     if english:
-        other = len(lowered & _OTHER_LATIN - _ENGLISH - _SHARED_WITH_ENGLISH)
-        return Language.ENGLISH if english > other else None
+        return Language.ENGLISH if english > len(lowered & _AGAINST_ENGLISH) else None
     if _english_command(words, text):
         return Language.ENGLISH
     return None
