@@ -88,9 +88,14 @@ def chromium() -> Iterator[object]:
 
 def test_dashboard_in_a_real_browser(obs_gateway: Gateway, chromium: object, repo_root: Path) -> None:
     chat(obs_gateway, "browser question about volcanoes")
-    chat(obs_gateway, "browser question about volcanoes")
+    hit = chat(obs_gateway, "browser question about volcanoes")
     chat(obs_gateway, "browser question about glaciers", stream=True)
     flush_request_log(obs_gateway)
+    # A client reports that hit wrong (POST /v1/kvgate/feedback): the dashboard counts it.
+    reported = httpx.post(obs_gateway.v1 + "/kvgate/feedback", headers={"authorization": f"Bearer {obs_gateway.api_key}"},
+                          json={"cache_id": hit.headers["x-kvgate-cache-id"], "correct": False})
+    assert reported.status_code == 200, reported.text
+    wrong = httpx.get(obs_gateway.base_url + "/dashboard/api/summary", headers=ADMIN).json()["response_cache"]["feedback"]
 
     page = chromium.new_page(viewport={"width": 1400, "height": 1200})  # type: ignore[attr-defined]
     problems: list[str] = []
@@ -122,6 +127,9 @@ def test_dashboard_in_a_real_browser(obs_gateway: Gateway, chromium: object, rep
         assert "fake" in page.inner_text("#table-upstreams")
         tiles = page.inner_text("#tiles")
         assert "Exact hit rate" in tiles and "Cache efficiency" in tiles
+        reports = page.locator("#tiles .tile", has_text="Hits reported wrong").inner_text()
+        assert f"Hits reported wrong\n{wrong['wrong']}\n{wrong['entries_reported_wrong']} entries" in reports
+        assert wrong["wrong"] >= 1
         # Charts: an SVG per chart, with points for the requests just made.
         for chart in ("chart-rps", "chart-hits", "chart-efficiency"):
             assert page.locator(f"#{chart} svg").count() == 1

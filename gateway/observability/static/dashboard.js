@@ -120,7 +120,7 @@ function table(node, columns, rows) {
   }
 }
 
-function tiles(o, writes) {
+function tiles(o, writes, responseCache) {
   const t = $("tiles");
   t.replaceChildren();
   const saved = sum(o.cost_saved_usd.response_cache, o.cost_saved_usd.kv_cache);
@@ -146,6 +146,13 @@ function tiles(o, writes) {
                 num(writes.write_tokens_never_read) + " provider write tokens; " +
                 num(writes.entries_never_read) + " response-cache entries unserved"]);
   }
+  const feedback = responseCache && responseCache.feedback;
+  if (feedback) {
+    // Clients' verdicts on hits (POST /v1/kvgate/feedback); an entry reported wrong is no longer served semantically.
+    items.push(["Hits reported wrong", num(feedback.wrong),
+                num(feedback.entries_reported_wrong) + " entries reported, now served on exact repeats only; " +
+                num(feedback.correct) + " hits confirmed"]);
+  }
   for (const [label, value, sub] of items) {
     const tile = el("div", null, "tile");
     tile.append(el("div", label, "label"), el("div", value, "value"), el("div", sub, "sub"));
@@ -168,7 +175,7 @@ const GROUP_COLUMNS = [
 ];
 
 function render(data) {
-  tiles(data.overview, data.cache_writes);
+  tiles(data.overview, data.cache_writes, data.response_cache);
   const pts = data.series.points;
   const labels = pts.map((p) => p.t);
   lineChart($("chart-rps"), labels, [{ name: "requests/s", values: pts.map((p) => p.rps) }]);
