@@ -58,6 +58,16 @@ class LookupResult:
 
 
 @dataclass(slots=True)
+class Prefetched:
+    """What `KVCacheManager.prefetch` did: blocks copied up, and with `pin` the blocks it pinned
+    (to hand back to `unpin`), of which `num_new_pins` were pinned by nothing else before."""
+
+    copied: int = 0
+    pinned: list[BlockHash] = field(default_factory=list)
+    num_new_pins: int = 0
+
+
+@dataclass(slots=True)
 class _Slot:
     tier: InstrumentedTier
     capacity_bytes: int | None
@@ -195,12 +205,7 @@ class KVCacheManager:
         if not result.pinned:
             return
         with self._lock:
-            for h in result.block_hashes:
-                left = self._pins.get(h, 0) - 1
-                if left > 0:
-                    self._pins[h] = left
-                else:
-                    self._pins.pop(h, None)
+            self.unpin(result.block_hashes)
             result.pinned = False
 
     # ----------------------------------------------------------------- load
@@ -287,19 +292,26 @@ class KVCacheManager:
                 self._insert(k, h, block)
 
     def prefetch(self, hashes: Sequence[BlockHash], target: str, should_stop: Callable[[], bool] = lambda: False,
-                 max_blocks: int | None = None) -> int:
+                 max_blocks: int | None = None, pin: bool = False) -> Prefetched:
         """Copy the chain `hashes` into tier `target` from the slower tiers below it, block by
         block in chain order, until a block is missing (the rest would be useless) or
-        `should_stop()`, or `max_blocks` were copied. Returns how many blocks were copied."""
+        `should_stop()`, or `max_blocks` were copied. With `pin`, every block of the chain the call
+        reached in `target` (copied, or there already) is pinned there until `unpin`, so that
+        other requests' stores cannot push it out before its turn; `max_blocks` then counts the
+        blocks it pinned that nothing else held pinned."""
+        out = Prefetched()
         if self.layout is None:
-            return 0
+            return out
         k = self.tier_names.index(target)
-        copied = 0
         for h in hashes:
-            if should_stop() or (max_blocks is not None and copied >= max_blocks):
+            taken = out.copied if not pin else out.num_new_pins
+            if should_stop() or (max_blocks is not None and taken >= max_blocks):
                 break
             with self._lock:
-                if h in self._slots[k].sizes:
+                held = h in self._slots[k].sizes
+                if held and pin:
+                    self._pin(h, out)
+                if held:
                     continue
                 src = next((j for j in range(k + 1, len(self._slots))
                             if self._slots[j].authoritative and h in self._slots[j].sizes), None)
@@ -310,13 +322,31 @@ class KVCacheManager:
             if block is None:
                 break
             self._insert(k, h, block)
-            copied += 1
             with self._lock:
                 # Marked as wanted, like a lookup would: a policy that evicts once-seen blocks
                 # first (S3-FIFO) would otherwise push out block j to make room for block j+1.
-                if h in self._slots[k].sizes:
-                    self._slots[k].policy.touch(h)
-        return copied
+                if h not in self._slots[k].sizes:
+                    break  # not kept (everything pinned): the rest of the chain would be unreachable
+                self._slots[k].policy.touch(h)
+                out.copied += 1
+                if pin:
+                    self._pin(h, out)
+        return out
+
+    def _pin(self, h: BlockHash, out: Prefetched) -> None:
+        out.num_new_pins += h not in self._pins
+        self._pins[h] = self._pins.get(h, 0) + 1
+        out.pinned.append(h)
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> None:
+        """Release one pin on each of `hashes` (a `Prefetched.pinned` list)."""
+        with self._lock:
+            for h in hashes:
+                left = self._pins.get(h, 0) - 1
+                if left > 0:
+                    self._pins[h] = left
+                else:
+                    self._pins.pop(h, None)
 
     # ----------------------------------------------------------------- store
 

@@ -1,5 +1,6 @@
 """Next-turn prefetch: an ended turn's chain comes back into host from disk ahead of its next turn,
-within its budget, and not while the engine is under pressure."""
+within its budget, stays there (pinned) until the turn arrives, and not while the engine is under
+pressure."""
 
 from __future__ import annotations
 
@@ -52,6 +53,55 @@ def test_an_ended_turn_is_promoted_to_host_before_its_next_turn(tmp_path: Path) 
         assert planner.stats.num_prefetched_blocks == 3
         planner.turn_started("t", [*ids, 7, 7, 7, 7])
         assert planner.stats.num_next_turns == 1 and planner.stats.mean_gap_s is not None
+    finally:
+        planner.close()
+        manager.close()
+
+
+def test_a_prefetched_chain_stays_in_host_until_its_turn_arrives(tmp_path: Path) -> None:
+    manager, ids = _evicted_conversation(tmp_path)
+    planner = PrefetchPlanner(manager, budget_bytes=4 * LAYOUT.block_nbytes, lead_s=0.0, first_gap_s=0.0)
+    try:
+        planner.turn_ended("t", ids)
+        assert _wait_for(lambda: planner.stats.num_prefetches == 1)
+        # Other conversations' stores while the user thinks: host has one unpinned place for them.
+        for s in (3, 4):
+            manager.store("t", list(range(100 * s, 100 * s + 12)), make_kv(12, seed=s))
+        assert manager.lookup("t", ids).tiers == ["host"] * 3
+        assert manager.stats().num_pinned_blocks == 3
+        planner.turn_started("t", [*ids, 7, 7, 7, 7])  # the turn's restore takes over: pins released
+        assert manager.stats().num_pinned_blocks == 0
+        for s in (5, 6):
+            manager.store("t", list(range(100 * s, 100 * s + 12)), make_kv(12, seed=s))
+        assert manager.lookup("t", ids).tiers != ["host"] * 3
+    finally:
+        planner.close()
+        manager.close()
+
+
+def test_shared_blocks_count_once_against_the_budget(tmp_path: Path) -> None:
+    """Two conversations on one 2-block system prompt, each with a block of its own, all on disk:
+    a budget of 4 blocks brings back both (counted per conversation they would need 6)."""
+    host = HostTier(build_codec(CodecName.RAW))
+    disk = DiskTier(tmp_path / "disk", build_codec(CodecName.SHRINK_LZ4), fsync=False)
+    manager = KVCacheManager([(host, 8 * HOST_BLOCK), (disk, None)], keyer=make_keyer(), layout=LAYOUT,
+                             admission=AdmissionName.ALWAYS)
+    system = list(range(1, 9))
+    chats = [[*system, *range(100 * c, 100 * c + 4)] for c in (1, 2)]
+    for c, ids in enumerate(chats):
+        manager.store("t", ids, make_kv(12, seed=c))
+    for s in (3, 4):  # push them all out of host
+        manager.store("t", list(range(100 * s, 100 * s + 16)), make_kv(16, seed=s))
+    assert all(manager.lookup("t", ids).tiers == ["disk"] * 3 for ids in chats)
+    planner = PrefetchPlanner(manager, budget_bytes=4 * LAYOUT.block_nbytes, lead_s=0.0, first_gap_s=0.0)
+    try:
+        for ids in chats:
+            planner.turn_ended("t", ids)
+        assert _wait_for(lambda: planner.stats.num_prefetches == 2)
+        assert [manager.lookup("t", ids).tiers for ids in chats] == [["host"] * 3, ["host"] * 3]
+        assert manager.stats().num_pinned_blocks == 4
+        planner.close()
+        assert manager.stats().num_pinned_blocks == 0, "closing the planner releases its pins"
     finally:
         planner.close()
         manager.close()

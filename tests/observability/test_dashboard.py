@@ -92,10 +92,12 @@ def test_dashboard_in_a_real_browser(obs_gateway: Gateway, chromium: object, rep
     chat(obs_gateway, "browser question about glaciers", stream=True)
     flush_request_log(obs_gateway)
     # A client reports that hit wrong (POST /v1/kvgate/feedback): the dashboard counts it.
-    reported = httpx.post(obs_gateway.v1 + "/kvgate/feedback", headers={"authorization": f"Bearer {obs_gateway.api_key}"},
-                          json={"cache_id": hit.headers["x-kvgate-cache-id"], "correct": False})
+    reported = httpx.post(obs_gateway.v1 + "/kvgate/feedback", json={"cache_id": hit.headers["x-kvgate-cache-id"],
+                                                                     "correct": False},
+                          headers={"authorization": f"Bearer {obs_gateway.api_key}"})
     assert reported.status_code == 200, reported.text
-    wrong = httpx.get(obs_gateway.base_url + "/dashboard/api/summary", headers=ADMIN).json()["response_cache"]["feedback"]
+    summary = httpx.get(obs_gateway.base_url + "/dashboard/api/summary", headers=ADMIN).json()
+    wrong = summary["response_cache"]["feedback"]
 
     page = chromium.new_page(viewport={"width": 1400, "height": 1200})  # type: ignore[attr-defined]
     problems: list[str] = []
