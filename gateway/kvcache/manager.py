@@ -59,12 +59,11 @@ class LookupResult:
 
 @dataclass(slots=True)
 class Prefetched:
-    """What `KVCacheManager.prefetch` did: blocks copied up, and with `pin` the blocks it pinned
-    (to hand back to `unpin`), of which `num_new_pins` were pinned by nothing else before."""
+    """What `KVCacheManager.prefetch` did: the blocks it copied up and, with `pin`, the blocks it
+    pinned (copied or found there; to hand back to `unpin`)."""
 
-    copied: int = 0
+    copied: list[BlockHash] = field(default_factory=list)
     pinned: list[BlockHash] = field(default_factory=list)
-    num_new_pins: int = 0
 
 
 @dataclass(slots=True)
@@ -297,15 +296,13 @@ class KVCacheManager:
         block in chain order, until a block is missing (the rest would be useless) or
         `should_stop()`, or `max_blocks` were copied. With `pin`, every block of the chain the call
         reached in `target` (copied, or there already) is pinned there until `unpin`, so that
-        other requests' stores cannot push it out before its turn; `max_blocks` then counts the
-        blocks it pinned that nothing else held pinned."""
+        other requests' stores cannot push it out before its turn."""
         out = Prefetched()
         if self.layout is None:
             return out
         k = self.tier_names.index(target)
         for h in hashes:
-            taken = out.copied if not pin else out.num_new_pins
-            if should_stop() or (max_blocks is not None and taken >= max_blocks):
+            if should_stop() or (max_blocks is not None and len(out.copied) >= max_blocks):
                 break
             with self._lock:
                 held = h in self._slots[k].sizes
@@ -328,13 +325,12 @@ class KVCacheManager:
                 if h not in self._slots[k].sizes:
                     break  # not kept (everything pinned): the rest of the chain would be unreachable
                 self._slots[k].policy.touch(h)
-                out.copied += 1
+                out.copied.append(h)
                 if pin:
                     self._pin(h, out)
         return out
 
     def _pin(self, h: BlockHash, out: Prefetched) -> None:
-        out.num_new_pins += h not in self._pins
         self._pins[h] = self._pins.get(h, 0) + 1
         out.pinned.append(h)
 

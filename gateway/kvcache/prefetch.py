@@ -7,16 +7,16 @@ only on disk or in Redis. The planner remembers each ended turn's chain, learns 
 conversations pause between turns (a running mean of the observed gaps), and shortly before a
 conversation's next turn is due copies its chain back into the host tier.
 
-A prefetched chain is pinned in host until its turn arrives: unpinned, the blocks it brought back
-were pushed out again by the other conversations' stores before the turn came (next-turn restores
-from host: 0.785 with that prefetch, 0.764 without, `kvgate bench concurrency`). Pinned blocks
-count against the budget whether they were copied or found in host already, each block once however
-many conversations share it (a common system prompt).
+A due conversation's chain is pinned in host until its turn arrives, the blocks copied back and
+those still there alike: unpinned, they were pushed out by the other conversations' stores before
+the turn came (next-turn restores from host: 0.785 with that prefetch, 0.764 without, `kvgate bench
+concurrency`). Pins are bounded in time: a conversation's are released when its turn arrives (the
+restore takes over), when it is long overdue, or when the planner closes.
 
-Bounded: at most `budget_bytes` of blocks pinned for turns not yet arrived, soonest-due
-conversation first; a conversation's pins are released when its turn arrives (the restore takes
-over), when it is long overdue, or when the planner closes. `pressure()` (the engine needs the CPU)
-puts prefetches off; it is also checked between blocks, so a running prefetch stops at once.
+Bounded: at most `budget_bytes` of blocks copied up and not yet used, soonest-due conversation
+first (blocks found in host already cost the budget nothing: a shared system prompt stays one
+copy); `pressure()` (the engine needs the CPU) puts prefetches off, and is also checked between
+blocks, so a running prefetch stops at once.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class _Ended:
     ended_at: float
     prefetched: bool = False
     pinned: list[BlockHash] = field(default_factory=list)  # released when the turn arrives
+    copied: list[BlockHash] = field(default_factory=list)  # what it costs the budget
 
 
 @dataclass(slots=True)
@@ -69,7 +70,7 @@ class PrefetchPlanner:
         self.stats = PrefetchStats(mean_gap_s=None)
         self._first_gap_s = first_gap_s
         self._ended: dict[BlockHash, _Ended] = {}
-        self._held: Counter[BlockHash] = Counter()  # blocks pinned for pending turns, shared ones once
+        self._held: Counter[BlockHash] = Counter()  # blocks copied up for pending turns
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kv-prefetch", daemon=True)
@@ -127,9 +128,9 @@ class PrefetchPlanner:
         if ended is None or not ended.pinned:
             return
         self.manager.unpin(ended.pinned)
-        self._held.subtract(ended.pinned)
+        self._held.subtract(ended.copied)
         self._held += Counter()  # drop the zeros
-        ended.pinned = []
+        ended.pinned, ended.copied = [], []
 
     def _run(self) -> None:
         block_bytes = self.manager.layout.block_nbytes if self.manager.layout is not None else 1
@@ -157,16 +158,16 @@ class PrefetchPlanner:
             with self._cond:
                 if self._ended.get(ended.hashes[-1]) is ended:
                     ended.pinned += done.pinned
-                    self._held.update(done.pinned)
+                    ended.copied += done.copied
+                    self._held.update(done.copied)
                 else:  # its turn arrived (or it was dropped) while the copy ran
                     self.manager.unpin(done.pinned)
-            reached = len(done.pinned)
-            if reached < len(ended.hashes) and done.num_new_pins < room and self.pressure():
+            if len(done.pinned) < len(ended.hashes) and len(done.copied) < room and self.pressure():
                 self.stats.num_cancelled += 1  # stopped half-way: try again when the pressure is off
             else:
                 ended.prefetched = True
                 self.stats.num_prefetches += 1
-            self.stats.num_prefetched_blocks += done.copied
+            self.stats.num_prefetched_blocks += len(done.copied)
 
     def _stop(self) -> bool:
         return self._closed or self.pressure()

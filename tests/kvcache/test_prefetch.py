@@ -10,7 +10,7 @@ from pathlib import Path
 from gateway.kvcache.codec import build_codec
 from gateway.kvcache.manager import KVCacheManager
 from gateway.kvcache.prefetch import PrefetchPlanner
-from gateway.kvcache.settings import AdmissionName, CodecName
+from gateway.kvcache.settings import AdmissionName, CodecName, EvictionPolicyName
 from gateway.kvcache.tiers.disk import DiskTier
 from gateway.kvcache.tiers.host import HostTier
 from tests.kvcache.conftest import LAYOUT, make_keyer, make_kv
@@ -79,27 +79,27 @@ def test_a_prefetched_chain_stays_in_host_until_its_turn_arrives(tmp_path: Path)
         manager.close()
 
 
-def test_shared_blocks_count_once_against_the_budget(tmp_path: Path) -> None:
-    """Two conversations on one 2-block system prompt, each with a block of its own, all on disk:
-    a budget of 4 blocks brings back both (counted per conversation they would need 6)."""
+def test_blocks_still_in_host_are_pinned_and_cost_no_budget(tmp_path: Path) -> None:
+    """Two conversations on one 2-block system prompt that host still holds, each with a block of
+    its own on disk only: a budget of 2 blocks brings back both own blocks and pins all four."""
     host = HostTier(build_codec(CodecName.RAW))
     disk = DiskTier(tmp_path / "disk", build_codec(CodecName.SHRINK_LZ4), fsync=False)
-    manager = KVCacheManager([(host, 8 * HOST_BLOCK), (disk, None)], keyer=make_keyer(), layout=LAYOUT,
-                             admission=AdmissionName.ALWAYS)
+    manager = KVCacheManager([(host, 4 * HOST_BLOCK), (disk, None)], keyer=make_keyer(), layout=LAYOUT,
+                             admission=AdmissionName.ALWAYS, eviction_policy=EvictionPolicyName.LRU)
     system = list(range(1, 9))
     chats = [[*system, *range(100 * c, 100 * c + 4)] for c in (1, 2)]
     for c, ids in enumerate(chats):
         manager.store("t", ids, make_kv(12, seed=c))
-    for s in (3, 4):  # push them all out of host
-        manager.store("t", list(range(100 * s, 100 * s + 16)), make_kv(16, seed=s))
-    assert all(manager.lookup("t", ids).tiers == ["disk"] * 3 for ids in chats)
-    planner = PrefetchPlanner(manager, budget_bytes=4 * LAYOUT.block_nbytes, lead_s=0.0, first_gap_s=0.0)
+    manager.load(manager.lookup("t", system))  # the shared prompt is in use: most recently used
+    manager.store("t", list(range(300, 308)), make_kv(8, seed=3))  # pushes the two own blocks out
+    assert [manager.lookup("t", ids).tiers for ids in chats] == [["host", "host", "disk"]] * 2
+    planner = PrefetchPlanner(manager, budget_bytes=2 * LAYOUT.block_nbytes, lead_s=0.0, first_gap_s=0.0)
     try:
         for ids in chats:
             planner.turn_ended("t", ids)
         assert _wait_for(lambda: planner.stats.num_prefetches == 2)
-        assert [manager.lookup("t", ids).tiers for ids in chats] == [["host"] * 3, ["host"] * 3]
-        assert manager.stats().num_pinned_blocks == 4
+        assert [manager.lookup("t", ids).tiers for ids in chats] == [["host"] * 3] * 2
+        assert planner.stats.num_prefetched_blocks == 2 and manager.stats().num_pinned_blocks == 4
         planner.close()
         assert manager.stats().num_pinned_blocks == 0, "closing the planner releases its pins"
     finally:
