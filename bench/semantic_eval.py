@@ -434,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
                         default=ResponseCacheSettings().max_false_hit_rate,
                         help="the error bound to evaluate under (wrong hits per lookup); thresholds from the "
                              "calibration curves, as KVGATE_RESPONSECACHE__MAX_FALSE_HIT_RATE sets them")
+    parser.add_argument("--unfamiliar-false-hit-rate", type=float,
+                        default=ResponseCacheSettings().unfamiliar_false_hit_rate,
+                        help="the stricter bound for questions far from the calibration data (responsecache/domain.py)")
+    parser.add_argument("--no-domain-guard", dest="domain_guard", action="store_false",
+                        help="judge every question under the one bound, familiar or not")
     parser.add_argument("--embeddings-cache", type=Path, help="directory that keeps embeddings between runs")
     args = parser.parse_args(argv)
 
@@ -451,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs = subsample(all_pairs, args.limit)
     dups = Duplicates(all_pairs)
     model = load_model()
-    verifier = Verifier.load(args.max_false_hit_rate)
+    verifier = Verifier.load(args.max_false_hit_rate, unfamiliar_false_hit_rate=args.unfamiliar_false_hit_rate
+                             if args.domain_guard else None)
     vectors = load_vectors(model, [p.a for p in pairs] + [p.b for p in pairs], args.embeddings_cache,
                            progress=not args.json)
     result = evaluate(pairs, vectors, verifier, dups, sketcher=Sketcher.load())

@@ -611,7 +611,8 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
             log.error("response cache: %s", exc)
             raise
         embedder = Embedder(model, settings.semantic_cpu_share)
-        verifier = Verifier.load(settings.max_false_hit_rate)
+        verifier = Verifier.load(settings.max_false_hit_rate,
+                                 unfamiliar_false_hit_rate=settings.unfamiliar_false_hit_rate)
         sketcher = await asyncio.to_thread(Sketcher.load)
     cache = ResponseCache(settings, EntryStore(sessions), embedder, verifier, sketcher)
     await cache.start()

@@ -26,6 +26,11 @@ class ResponseCacheSettings(BaseModel):
         description="The error bound: wrong semantic hits per semantic lookup (strict), each language's "
                     "threshold read from its calibration curve (target_false_hit_rate: the former name).",
     )
+    unfamiliar_false_hit_rate: float = Field(
+        default=0.0025, gt=0, lt=1,
+        description="The stricter bound for a question far from everything the judge was calibrated on "
+                    "(a domain it never saw: responsecache/domain.py); never looser than max_false_hit_rate.",
+    )
     embedding_backend: Literal["builtin", "sentence-transformers", "openai"] = Field(
         default="builtin",
         description="Where semantic-cache embeddings come from: builtin (multilingual-e5-small, in-process), "

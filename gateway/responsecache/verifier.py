@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from gateway.responsecache.domain import MAP_PATH, DomainMap
 from gateway.responsecache.language import Language, language_of
 from gateway.responsecache.vetoes import STOPWORDS, hard_negative, tokens
 
@@ -160,19 +161,28 @@ class PairHead:
 class Verifier:
     """Scores retrieval candidates with a tree model per validated language (each language's own,
     as `bench/semantic_train.py` trains by default, or one joint model); `thresholds` (one per language)
-    are set from the target false-hit rate on each language's calibration curve."""
+    are set from the target false-hit rate on each language's calibration curve. With a `domain`
+    map, a question far from the calibration questions (`domain.py`) is held to the thresholds of
+    the stricter `unfamiliar_false_hit_rate` instead."""
 
     def __init__(self, trees: dict[Language, Trees], curves: dict[str, list[dict[str, float]]], min_cosine: float,
-                 target_false_hit_rate: float, heads: dict[Language, PairHead] | None = None) -> None:
+                 target_false_hit_rate: float, heads: dict[Language, PairHead] | None = None,
+                 domain: DomainMap | None = None, unfamiliar_false_hit_rate: float | None = None) -> None:
         self._trees = trees
         self._heads = heads or {}
         self.curves = curves
         self.min_cosine = min_cosine
         self.thresholds = {Language(lang): threshold_for(curve, target_false_hit_rate)
                            for lang, curve in curves.items()}
+        self.domain = domain if unfamiliar_false_hit_rate is not None else None
+        stricter = min(target_false_hit_rate, unfamiliar_false_hit_rate or target_false_hit_rate)
+        self.unfamiliar_thresholds = {lang: max(threshold, threshold_for(curves[lang], stricter))
+                                      for lang, threshold in self.thresholds.items()}
 
     @classmethod
-    def load(cls, target_false_hit_rate: float, path: Path = WEIGHTS_PATH) -> Verifier:
+    def load(cls, target_false_hit_rate: float, path: Path = WEIGHTS_PATH,
+             unfamiliar_false_hit_rate: float | None = None, domain_path: Path = MAP_PATH) -> Verifier:
+        """The shipped judge; with `unfamiliar_false_hit_rate`, also the shipped domain map."""
         data = orjson.loads(path.read_bytes())
         if "baseline" in data["trees"]:  # one model for every language
             joint = Trees(data["trees"])
@@ -180,7 +190,9 @@ class Verifier:
         else:
             trees = {Language(lang): Trees(model) for lang, model in data["trees"].items()}
         heads = {Language(lang): PairHead(head) for lang, head in data.get("heads", {}).items()}
-        return cls(trees, data["curves"], float(data["min_cosine"]), target_false_hit_rate, heads)
+        domain = DomainMap.load(domain_path) if unfamiliar_false_hit_rate is not None else None
+        return cls(trees, data["curves"], float(data["min_cosine"]), target_false_hit_rate, heads, domain,
+                   unfamiliar_false_hit_rate)
 
     def supports(self, text: str) -> bool:
         """Whether `text` is in a language this verifier was calibrated on."""
@@ -231,7 +243,12 @@ class Verifier:
             return Verdict(False, 0.0, reason)
         features = self.features(u, v, query, cached, rank, cosines or [cosine], language)
         probability = self.probability(features, language)
-        return Verdict(probability >= threshold, probability, None if probability >= threshold else "score")
+        if probability < threshold:
+            return Verdict(False, probability, "score")
+        if self.domain is not None and probability < self.unfamiliar_thresholds[language] \
+                and not self.domain.familiar(language, u):
+            return Verdict(False, probability, "unfamiliar")
+        return Verdict(True, probability, None)
 
 
 def threshold_for(curve: list[dict[str, float]], target_false_hit_rate: float) -> float:
