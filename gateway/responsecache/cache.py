@@ -6,25 +6,20 @@
     purge(scope)                                 admin
     report(tenant, entry_id, correct=...)        a client's verdict on a hit (feedback.py)
 
-It holds the entries and the exact side: the directory of live keys and the answer LRU (`exact.py`),
-the answers still being written, the store queue and its writer, purges, deletes and reports, and
-the change feed (`feed.py`) that keeps them current. Semantic lookups and the indexes they search
-are `SemanticStage`'s (`semantic_stage.py`): the cache asks it after an exact miss, tells it of
-every entry added, demoted or removed, and writes the embeddings it computed to SQL.
+It holds the live entries and the exact side: the directory of live keys and the answer LRU
+(`exact.py`), which lookups, stores, purges, deletes, reports and the change feed (`feed.py`) all
+read and write. Its two helpers hear of entries through it: `SemanticStage` (`semantic_stage.py`)
+answers the semantic lookups after an exact miss and keeps the indexes they search, told of every
+entry added, demoted or removed; `AnswerWriter` (`writer.py`) writes the answers `store_later`
+accepts (complete, and valid against the wire schema: `validate.is_storable`) off the request path,
+and hands each stored entry back.
 
 Memory (exact directory, answer LRU, the stage's FAISS indexes) is rebuilt from SQL at start and kept
 current by the change feed; SQL is the source of truth shared by every replica.
 
-Stores have their own budget: answers wait in a bounded queue and one writer task inserts them in
-batches, so the store path holds at most one database connection however many requests finish at
-once, and never starves requests of the pool (200 concurrent streams once exhausted a 30-connection
-pool and lost thousands of answers). Only answers that validate against the wire schema are
-queued (`validate.is_storable`).
-
-Longer than 300 lines on purpose: lookup, the writer, purges, deletes, reports and the change
-feed's updates all read and write the same directory, answer LRU and answers being written; what
-shares none of that lives beside it (lookup.py, exact.py, semantic_stage.py, store.py, replay.py,
-feed.py, feedback.py).
+Longer than 300 lines on purpose: lookup, store, purge, delete, report and the change feed's
+updates all read and write the same directory and answer LRU; what shares none of that lives beside
+it (lookup.py, exact.py, semantic_stage.py, writer.py, store.py, replay.py, feed.py, feedback.py).
 """
 
 from __future__ import annotations
@@ -57,7 +52,6 @@ from gateway.responsecache.lookup import (
     SKIP_SAMPLING,
     SKIP_TOO_LONG,
     SKIP_TRIVIAL,
-    STORE_SKIP_BUSY,
     STORE_SKIP_ERROR,
     STORE_SKIP_INCOMPLETE,
     STORE_SKIP_INVALID,
@@ -74,6 +68,7 @@ from gateway.responsecache.status import HIT_KINDS, CacheStatus
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter, ReportedEntry
 from gateway.responsecache.validate import is_storable
 from gateway.responsecache.verifier import Verifier
+from gateway.responsecache.writer import AnswerWriter
 
 log = logging.getLogger(__name__)
 HIT_EXACT, HIT_SEMANTIC, HIT_INFLIGHT = CacheStatus.HIT_EXACT, CacheStatus.HIT_SEMANTIC, CacheStatus.HIT_INFLIGHT
@@ -81,13 +76,8 @@ MISS, BYPASS = CacheStatus.MISS, CacheStatus.BYPASS
 KINDS = HIT_KINDS
 PROGRESS_MIN_ENTRIES = 10_000
 SWEEP_INTERVAL_S = 30.0
-STORE_BATCH = 128
 # How long a hit on an answer still being written waits for its insert, to name the entry.
 STORING_WAIT_S = 1.0
-
-
-# An answer waiting for the writer: its lookup, the answer, its bytes, done once written or dropped.
-_Queued = tuple["Lookup", dict[str, Any], bytes, asyncio.Future[None]]
 
 
 class ResponseCache:
@@ -99,20 +89,12 @@ class ResponseCache:
         self._directory = Directory()
         self._answers = AnswerLRU(settings.memory_entries)
         self._hits: Counter[int] = Counter()
-        self._store_queue: asyncio.Queue[_Queued] = asyncio.Queue(settings.max_store_queue)
-        self._writer: asyncio.Task[None] | None = None
-        self._writing = False
-        self.num_stored = 0
-        self.num_store_dropped = 0  # queue full or the database refused the row
         self.num_store_rejected = 0  # failed the wire-schema check
-        # Answers handed to `store_later` whose SQL insert has not finished: served by exact key
-        # at once, so a client asking again right after the last byte hits (an insert may take
-        # seconds on a busy SQLite file).
-        self._storing: dict[ExactKey, tuple[dict[str, Any], float, Lookup, asyncio.Future[None]]] = {}
         self._last_sweep = time.monotonic()
         self._feed = ChangeFeed(store, on_entries=self._add, on_purge=self._forget, on_tick=self._tick,
                                 on_report=self._demote, poll_interval_s=settings.poll_interval_s,
                                 redis_url=settings.redis_url, channel=settings.redis_channel)
+        self._writer = AnswerWriter(settings, store, on_stored=self._stored, announce=self._feed.announce)
 
     @property
     def semantic_enabled(self) -> bool:
@@ -134,10 +116,7 @@ class ResponseCache:
         await self._feed.start(seen)
 
     async def stop(self) -> None:
-        await self._drain_stores()
-        if self._writer is not None:
-            self._writer.cancel()
-            await asyncio.gather(self._writer, return_exceptions=True)
+        await self._writer.stop()
         await self._feed.stop()
         await self._flush_hits()
         await self._flush_embeddings()
@@ -145,13 +124,13 @@ class ResponseCache:
 
     async def sync(self) -> None:
         """Read what other replicas wrote, now (tests, admin)."""
-        await self._drain_stores()
+        await self._writer.drain()
         await self._feed.catch_up()
 
     def stats(self) -> dict[str, Any]:
         return {"entries": len(self._directory), **self._semantic.stats(),
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
-                "stored": self.num_stored, "store_queue": self._store_queue.qsize(),
+                "stored": self.num_stored, "store_queue": self._writer.num_queued,
                 "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
                 "verifier_thresholds": self._semantic.thresholds}
 
@@ -169,16 +148,12 @@ class ResponseCache:
         self._add(metas)
 
     def _forget(self, scope: PurgeFilter) -> None:
-        if scope.entry_id is not None:  # a delete: the entry is in SQL, so not among `_storing`
+        if scope.entry_id is not None:  # a delete: the entry is in SQL, so not among the pending
             self._remove([scope.entry_id])
             return
         ids = [m.id for m in self._directory.by_id.values() if scope.matches(m)]
         self._remove(ids)
-        for key, (_, _, pending, _) in list(self._storing.items()):
-            if ((scope.tenant is None or pending.tenant == scope.tenant)
-                    and (scope.namespace is None or pending.controls.namespace == scope.namespace)
-                    and (scope.model is None or pending.model == scope.model)):
-                del self._storing[key]
+        self._writer.forget(scope)
 
     def _remove(self, ids: list[int]) -> None:
         for entry_id in ids:
@@ -252,10 +227,10 @@ class ResponseCache:
         if meta is not None and meta.expires_at > now and await self._load(lookup, meta.id):
             lookup.status = HIT_EXACT
             return
-        storing = self._storing.get(lookup.key)
-        if storing is not None and storing[1] > now:
-            lookup.answer, lookup.status = storing[0], HIT_EXACT
-            await self._name_stored(lookup, storing[3])
+        pending = self._writer.pending(lookup.key, now)
+        if pending is not None:
+            lookup.answer, lookup.status = pending.answer, HIT_EXACT
+            await self._name_stored(lookup, pending.written)
             return
         match = await self._semantic.match(lookup, now)
         if match is not None and await self._load(lookup, match.meta.id):
@@ -336,84 +311,22 @@ class ResponseCache:
         if len(raw) > self.settings.max_answer_bytes:
             lookup.store_skipped = STORE_SKIP_TOO_LARGE
             return None
-        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        try:
-            self._store_queue.put_nowait((lookup, completion, raw, written))
-        except asyncio.QueueFull:
-            self.num_store_dropped += 1
-            lookup.store_skipped = STORE_SKIP_BUSY
-            written.set_result(None)
-            return written
-        self._storing[lookup.key] = (completion, time.time() + self._ttl_s(lookup), lookup, written)
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write_forever(), name="response-cache-writer")
-        return written
+        return self._writer.put(lookup, completion, raw)
 
-    async def _drain_stores(self) -> None:
-        """Wait until every queued answer has been written (tests, shutdown)."""
-        while (not self._store_queue.empty() or self._writing) and self._writer is not None \
-                and not self._writer.done():
-            await asyncio.sleep(0.01)
+    def _stored(self, meta: EntryMeta, answer: dict[str, Any]) -> None:
+        """An answer the writer has just inserted: in memory at once, without waiting for the feed."""
+        self._feed.mark_seen(meta.id)
+        self._add([meta])
+        self._answers.put(meta.id, answer)
 
-    async def _write_forever(self) -> None:
-        while True:
-            batch = [await self._store_queue.get()]
-            while len(batch) < STORE_BATCH and not self._store_queue.empty():
-                batch.append(self._store_queue.get_nowait())
-            self._writing = True
-            try:
-                await self._write_batch(batch)
-            except Exception as exc:
-                self.num_store_dropped += len(batch)
-                log.error("response cache: storing %d answers failed (%s)", len(batch), describe_db_error(exc))
-            finally:
-                self._writing = False
-                for lookup, completion, _, written in batch:
-                    if self._storing.get(lookup.key, (None,))[0] is completion:
-                        del self._storing[lookup.key]
-                    if not written.done():
-                        written.set_result(None)
+    @property
+    def num_stored(self) -> int:
+        return self._writer.num_stored
 
-    async def _write_batch(self, batch: list[_Queued]) -> None:
-        rows: list[tuple[EntryMeta, bytes, dict[str, Any]]] = []
-        for lookup, completion, raw, _ in batch:
-            ttl_s = self._ttl_s(lookup)
-            # A semantic entry keeps its question; its embedding is the lookup's when the lookup
-            # computed one, else it is computed when a later lookup first needs it.
-            semantic = lookup.partition is not None and lookup.query is not None
-            meta = EntryMeta(0, lookup.tenant, lookup.controls.namespace, lookup.model, lookup.key,
-                             lookup.partition if semantic else None, lookup.query if semantic else None,
-                             lookup.vector if semantic else None, time.time() + ttl_s,
-                             lookup.sketch if semantic else None)
-            rows.append((meta, raw, completion))
-        if not rows:
-            return
-        try:
-            ids = await self._store.insert_many([(m, r) for m, r, _ in rows])
-            stored = rows
-        except Exception as exc:
-            # One bad row must not cost the others: write them one by one.
-            log.error("response cache: a batch of %d answers failed (%s); retrying one by one",
-                      len(rows), describe_db_error(exc))
-            ids, stored = [], []
-            for row in rows:
-                try:
-                    ids.append(await self._store.insert(row[0], row[1]))
-                    stored.append(row)
-                except Exception as one:
-                    self.num_store_dropped += 1
-                    log.error("response cache: an answer was not stored (%s)", describe_db_error(one))
-        for (meta, _, completion), entry_id in zip(stored, ids, strict=True):
-            meta.id = entry_id
-            self._feed.mark_seen(entry_id)
-            self._add([meta])
-            self._answers.put(entry_id, completion)
-        self.num_stored += len(stored)
-        if stored:
-            await self._feed.announce()
-
-    def _ttl_s(self, lookup: Lookup) -> float:
-        return min(lookup.controls.ttl_s or self.settings.default_ttl_s, self.settings.max_ttl_s)
+    @property
+    def num_store_dropped(self) -> int:
+        """Answers lost on the way to SQL: the queue was full or the database refused the row."""
+        return self._writer.num_dropped
 
     async def count_never_read(self) -> int:
         """Live entries stored and never served: writes that bought nothing (yet)."""
