@@ -12,7 +12,7 @@ Long turns that share most of their text (a document pasted before a question, t
 question after the same document) embed almost identically whatever the question: pooling over
 hundreds of shared tokens drowns the few that differ (a 60-sentence context made "capital of
 France?" and "how many legs does a spider have?" score 0.996). `differing_parts` finds such pairs,
-and the gateway then judges the sentences that differ on their own (`ResponseCache`): a hit needs
+and the gateway then judges the sentences that differ on their own (`SemanticStage`): a hit needs
 those to be the same question too.
 """
 

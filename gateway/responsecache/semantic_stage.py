@@ -1,0 +1,227 @@
+"""`SemanticStage`: the semantic side of the response cache, asked by `ResponseCache` after an
+exact miss.
+
+    match(lookup, now) -> Match | None    the stored question whose answer serves this one, if any
+
+It holds what only semantic lookups use: the sketch index over every semantic entry and the
+embedding index over those some lookup has needed embedded (`index.py`), the entries reported as
+wrong hits (`feedback.Reported`), the sketcher, the embedder with its CPU budget, the verifier (the
+judge), and the counters of how lookups ended. `ResponseCache` owns the entries: it tells the stage
+of every one added, demoted or removed, and writes the embeddings the stage computed to SQL.
+
+A lookup ends at the first step that rules it out, each step dearer than the one before:
+
+1. the CPU budget (`embedder.CpuBudget`) is spent: forwarded unjudged (`busy`), nothing run;
+2. the cheap stage (`sketch.py`, `semantic.plausible_with_chance`): no stored question sketches
+   close enough to be worth embedding (`ruled-out`), or the budget is too short for the chance of a
+   hit (`busy`);
+3. the question and its plausible neighbours are embedded and judged (`semantic.best_match`; pairs
+   that share a long context by the sentences that differ), and the best match must still meet the
+   request's bar and the one near an entry reported wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+
+from gateway.responsecache.embedder import Embedder
+from gateway.responsecache.feedback import Reported
+from gateway.responsecache.index import Candidate, embeddings_index, sketches_index
+from gateway.responsecache.keys import PartitionKey
+from gateway.responsecache.language import language_of
+from gateway.responsecache.lookup import SKIP_BUSY, STAGE_JUDGED, STAGE_RULED_OUT, Lookup
+from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts, plausible_with_chance
+from gateway.responsecache.sketch import Sketcher
+from gateway.responsecache.store import EntryMeta
+from gateway.responsecache.verifier import Verifier
+
+
+class SemanticStage:
+    """Disabled (every lookup ends at once, nothing indexed) unless it has an embedder, a verifier
+    and a sketcher."""
+
+    def __init__(self, embedder: Embedder | None, verifier: Verifier | None, sketcher: Sketcher | None) -> None:
+        self._embedder = embedder
+        self._verifier = verifier
+        self._sketcher = sketcher if embedder is not None and verifier is not None else None
+        self._index = embeddings_index()  # entries some lookup has needed embedded
+        self._sketches = sketches_index(sketcher.dimensions if sketcher else 1)  # every semantic entry
+        self._reported = Reported()  # entries reported as wrong hits: served by exact key only
+        self._new_embeddings: dict[int, np.ndarray] = {}  # computed on demand, not yet in SQL
+        self.num_ruled_out = 0  # semantic lookups the cheap stage answered (nothing embedded)
+        self.num_judged = 0  # semantic lookups that embedded and asked the judge
+        self.num_busy = 0  # forwarded unjudged: the CPU budget was spent (or too short for its chance)
+        self.cheap_stage_cpu_s = 0.0  # the event loop's CPU time in the cheap stage, all lookups
+        self.num_near_reported = 0  # judged lookups whose best match faced the bar near a reported entry
+
+    @property
+    def enabled(self) -> bool:
+        return self._embedder is not None and self._verifier is not None and self._sketcher is not None
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._sketches)
+
+    @property
+    def num_embedded(self) -> int:
+        return len(self._index)
+
+    def stats(self) -> dict[str, Any]:
+        return {"semantic_entries": len(self._sketches), "embedded_entries": len(self._index),
+                "semantic_ruled_out": self.num_ruled_out, "semantic_judged": self.num_judged,
+                "semantic_busy": self.num_busy, "semantic_near_reported": self.num_near_reported,
+                "semantic_cheap_stage_cpu_s": round(self.cheap_stage_cpu_s, 3),
+                "semantic_budget_s": round(self._embedder.budget.tokens, 4) if self._embedder else None,
+                "event_loop_busy": round(self._embedder.budget.loop_busy, 3) if self._embedder else None}
+
+    @property
+    def thresholds(self) -> dict[str, float] | None:
+        """The judge's probability threshold per language, None without a judge."""
+        return {str(k): v for k, v in self._verifier.thresholds.items()} if self._verifier else None
+
+    def supports(self, text: str) -> bool:
+        """Whether `text` is in a language the judge was validated on."""
+        return language_of(text) is not None and (self._verifier is None or self._verifier.supports(text))
+
+    def add(self, live: list[EntryMeta]) -> None:
+        """Live entries, new or read again from SQL: those never reported wrong are sketched (when
+        not yet) and served; the others mark their neighbourhood (`feedback.py`)."""
+        if self._sketcher is None:
+            return
+        serving = [m for m in live if not m.wrong_reports]
+        for meta in serving:
+            if meta.partition is not None and meta.query is not None and meta.sketch is None:
+                meta.sketch = self._sketcher.sketch(meta.query)
+        self._sketches.add(serving)
+        self._index.add(serving)
+        self._reported.add([m for m in live if m.wrong_reports])
+
+    def demote(self, ids: list[int]) -> None:
+        """Entries reported as wrong hits leave semantic serving (`add` them again, reported, to
+        mark their neighbourhood)."""
+        self._index.remove(ids)
+        self._sketches.remove(ids)
+
+    def remove(self, ids: list[int]) -> None:
+        for entry_id in ids:
+            self._new_embeddings.pop(entry_id, None)
+        self._index.remove(ids)
+        self._sketches.remove(ids)
+        self._reported.remove(ids)
+
+    def take_new_embeddings(self) -> dict[int, np.ndarray]:
+        """The stored questions' embeddings computed since the last call, for SQL."""
+        vectors, self._new_embeddings = self._new_embeddings, {}
+        return vectors
+
+    def discard_new_embedding(self, entry_id: int) -> None:
+        """An embedding written to SQL some other way (with a report)."""
+        self._new_embeddings.pop(entry_id, None)
+
+    async def embed(self, text: str) -> np.ndarray | None:
+        """`text`'s embedding, None without an embedder."""
+        return await self._embedder.embed(text) if self._embedder is not None else None
+
+    def close(self) -> None:
+        if self._embedder is not None:
+            self._embedder.close()
+
+    async def match(self, lookup: Lookup, now: float) -> Match | None:
+        """The stored question whose answer serves `lookup` (an exact miss), or None. Records on
+        `lookup` how a semantic lookup ended (`stage`, `semantic_skipped`) and what it computed
+        (`sketch`, `vector`: the entry of its answer keeps them)."""
+        if lookup.partition is None or lookup.query is None or self._embedder is None or self._verifier is None:
+            return None
+        budget = self._embedder.budget
+        if not budget.available():
+            # Spent: no lookup could be judged now, whatever its chance, so not even the cheap
+            # stage runs (at full load it cost a third of what forwarding a miss does).
+            lookup.semantic_skipped = SKIP_BUSY
+            self.num_busy += 1
+            return None
+        started = time.thread_time()
+        plausible, chance = self._plausible(lookup, now)
+        affordable = budget.available(chance)
+        spent = time.thread_time() - started
+        budget.spend(spent)  # the cheap stage draws on the same budget
+        self.cheap_stage_cpu_s += spent
+        if not plausible:
+            lookup.stage = STAGE_RULED_OUT
+            self.num_ruled_out += 1
+            return None
+        if not affordable:
+            lookup.semantic_skipped = SKIP_BUSY
+            self.num_busy += 1
+            return None
+        lookup.stage = STAGE_JUDGED
+        self.num_judged += 1
+        await self._embed_with(lookup, plausible)
+        assert lookup.vector is not None
+        match = best_match(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
+        if match is not None and match.meta.query is not None and differing_parts(lookup.query, match.meta.query):
+            match = None  # a long shared context: judged below by what differs, not by the whole turn
+        if match is None:
+            match = await self._match_by_differing_parts(lookup.partition, lookup.vector, lookup.query, now)
+        return match if match is not None and self._meets_bars(lookup, match) else None
+
+    def _meets_bars(self, lookup: Lookup, match: Match) -> bool:
+        """Whether the most probable match also meets the stricter bars: the request's own, and the
+        one near an entry reported wrong (`feedback.py`). When it misses them, so do the others."""
+        assert self._verifier is not None and lookup.query is not None
+        assert lookup.partition is not None and lookup.vector is not None
+        near_reported = self._reported.bar(lookup.partition, lookup.vector, self._verifier.threshold_of(lookup.query))
+        if near_reported is not None:
+            self.num_near_reported += 1
+        bars = [p for p in (lookup.controls.min_probability, near_reported) if p is not None]
+        return self._verifier.accepts(lookup.query, match.probability, max(bars, default=None),
+                                      lookup.controls.max_false_hit_rate)
+
+    def _plausible(self, lookup: Lookup, now: float) -> tuple[list[EntryMeta], float]:
+        """The cheap stage (`sketch.py`): the stored questions worth embedding, none when no stored
+        question could pass the judge (then nothing is embedded), and the chance of a hit."""
+        assert self._sketcher is not None and lookup.partition is not None and lookup.query is not None
+        lookup.sketch = self._sketcher.sketch(lookup.query)
+        return plausible_with_chance(self._sketches, lookup.partition, lookup.sketch, lookup.query,
+                                     self._sketcher.floor(lookup.query), self._sketcher.prejudge, now)
+
+    async def _embed_with(self, lookup: Lookup, plausible: list[EntryMeta]) -> None:
+        """Embed the question, and in the same batch every plausible stored question not embedded
+        yet: an entry's embedding is computed the first time a lookup needs it, never at store."""
+        assert self._embedder is not None and lookup.query is not None
+        missing = [m for m in plausible if m.embedding is None]
+        vectors = await asyncio.gather(self._embedder.embed(lookup.query),
+                                       *(self._embedder.embed(m.query or "") for m in missing))
+        lookup.vector = vectors[0]
+        for meta, vector in zip(missing, vectors[1:], strict=True):
+            if meta.id in self._sketches:  # not removed (or reported) while it was embedded
+                meta.embedding = vector
+                self._index.add([meta])
+                self._new_embeddings[meta.id] = vector
+
+    async def _match_by_differing_parts(self, partition: PartitionKey, vector: np.ndarray, query: str,
+                                        now: float) -> Match | None:
+        """Neighbours that share a long context with `query` (see `semantic.differing_parts`) embed
+        alike whatever their question, and crowd each other: the whole-turn verdict says nothing
+        about them. Each is judged instead on the sentences that differ, as a question of its own."""
+        assert self._embedder is not None and self._verifier is not None
+        judged: list[tuple[Candidate, tuple[str, str]]] = []
+        for candidate in self._index.search(partition, vector, NUM_CANDIDATES):
+            meta = candidate.meta
+            if meta.expires_at <= now or meta.query is None:
+                continue
+            parts = differing_parts(query, meta.query)
+            if parts is not None and parts[0] and parts[1]:
+                judged.append((candidate, parts))
+        if not judged:
+            return None
+        vectors = await asyncio.gather(*(self._embedder.embed(text) for _, parts in judged for text in parts))
+        best: Match | None = None
+        for i, (candidate, (mine, theirs)) in enumerate(judged):
+            verdict = self._verifier.verify(vectors[2 * i], vectors[2 * i + 1], mine, theirs)
+            if verdict.accepted and (best is None or verdict.probability > best.probability):
+                best = Match(candidate.meta, candidate.similarity, verdict.probability)
+        return best
