@@ -22,9 +22,10 @@ class ResponseCacheSettings(BaseModel):
     max_ttl_s: float = Field(default=30 * 86400.0, gt=0, description="Upper bound of a per-request TTL.")
     memory_entries: int = Field(default=10_000, ge=0, description="Answers kept in memory in front of SQL (LRU).")
     max_false_hit_rate: float = Field(
-        default=0.01, gt=0, lt=1, validation_alias=AliasChoices("max_false_hit_rate", "target_false_hit_rate"),
+        default=0.0075, gt=0, lt=1, validation_alias=AliasChoices("max_false_hit_rate", "target_false_hit_rate"),
         description="The error bound: wrong semantic hits per semantic lookup (strict), each language's "
-                    "threshold read from its calibration curve (target_false_hit_rate: the former name).",
+                    "threshold read from its calibration curve (target_false_hit_rate: the former name). "
+                    "0.0075 keeps held-out English precision near 0.89 (0.01: 0.86).",
     )
     unfamiliar_false_hit_rate: float = Field(
         default=0.0025, gt=0, lt=1,
