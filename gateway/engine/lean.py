@@ -41,6 +41,7 @@ from gateway.engine.quant import Linear
 from gateway.runtime import torch_on_one_thread
 
 RESCORE = 16  # head candidates re-scored in float32 after a low-precision head
+ATTEND_GROUP = 64  # rows of a scattered recompute per attention call (see `_attend`)
 
 
 @dataclass(slots=True)
@@ -232,8 +233,7 @@ class LeanModel:
             keys[:, positions] = qk[:, heads:].transpose(0, 1).to(pool.dtype)
             values[:, positions] = qkv[:, q_width + kv_width :].reshape(t, kv_heads, dim).transpose(0, 1).to(pool.dtype)
             q = qk[:, :heads].transpose(0, 1)  # [heads, t, dim]
-            out = F.scaled_dot_product_attention(q[None].to(keys.dtype), keys[None, :, :length],
-                                                 values[None, :, :length], attn_mask=mask, enable_gqa=True)
+            out = _attend(q.to(keys.dtype), keys, values, positions, mask)
             if probe is not None:
                 self._probe(probe, q, keys[:, :length], mask, positions)
             x = x + layer.out(out[0].transpose(0, 1).reshape(t, q_width).to(x.dtype))
@@ -293,6 +293,28 @@ class LeanModel:
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(k.dtype), k, v, attn_mask=mask,
                                              is_causal=mask is None, enable_gqa=True)
         return out[0, :, pad:].transpose(0, 1).to(q.dtype)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+            mask: torch.Tensor) -> torch.Tensor:
+    """Attention of the rows `q` (`[heads, t, dim]`) at `positions` over the slot's `keys` / `values`
+    (`[kv_heads, capacity, dim]`), each row up to its own position (`mask`, `[t, last + 1]`):
+    `[1, heads, t, dim]`. Rows at scattered positions (KV Fuse's passes) go in groups of
+    `ATTEND_GROUP`, each over the keys up to its own last row: with an explicit mask SDPA computes
+    every (row, key) pair, and rows spread over a long prompt need about half of them (500 rows over
+    4,600 positions: 63 ms a layer against 99, one thread; the rows agree to ~1e-7). A contiguous
+    run (a prefill after a restored head) stays one call, so that it is bit for bit a prefill's."""
+    t, length = q.shape[1], mask.shape[1]
+    if int(positions[-1] - positions[0]) + 1 == t:
+        return F.scaled_dot_product_attention(q[None], keys[None, :, :length], values[None, :, :length],
+                                              attn_mask=mask, enable_gqa=True)
+    outs = []
+    for start in range(0, t, ATTEND_GROUP):
+        end = min(t, start + ATTEND_GROUP)
+        n = int(positions[end - 1]) + 1
+        outs.append(F.scaled_dot_product_attention(q[None, :, start:end], keys[None, :, :n], values[None, :, :n],
+                                                   attn_mask=mask[start:end, :n], enable_gqa=True))
+    return torch.cat(outs, dim=2)
 
 
 class _DecodePlan:
