@@ -50,11 +50,14 @@ class Match:
 def plausible(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray, query: str, floor: float,
               prejudge: Prejudge | None, now: float, k: int = PLAUSIBLE_CANDIDATES) -> list[EntryMeta]:
     """The cheap stage: empty when no stored question of the partition sketches within `floor` of
-    the question with the prejudge's consent (when there is one); else every sketch candidate
-    within the floor, to be embedded, not only those the prejudge likes: the judge reads how crowded
-    the neighbourhood is (rank, margin to the next neighbour), and an embedded index holding only
-    the likeliest candidates makes each look unrivalled (measured: English precision 0.815 instead
-    of 0.867 when only the prejudge's candidates were embedded)."""
+    the question with the prejudge's consent (when there is one); else the question's whole sketch
+    neighbourhood (its `k` + 1 nearest, within the floor or not), to be embedded. The judge reads
+    how crowded the neighbourhood is (rank, margin to the next neighbour), as it was calibrated with
+    every stored question embedded; an embedded index holding only the likeliest candidates makes
+    each look unrivalled. Measured held out: English precision 0.815 instead of 0.867 when only the
+    prejudge's candidates were embedded; Chinese 235 hits at precision 0.975 with the candidates
+    within the floor, 218 at 0.982 with the whole neighbourhood, as with everything embedded (217
+    at 0.982), for about one more embedding per judged lookup, once per stored question."""
     return plausible_with_chance(sketches, partition, sketch, query, floor, prejudge, now, k)[0]
 
 
@@ -74,7 +77,7 @@ def plausible_with_chance(sketches: VectorIndex, partition: PartitionKey, sketch
     language = language_of(query) if prejudge is not None else None
     chance = max(1.0 if prejudge is None else prejudge.chance(query, language, c.meta.query or "", rank, cosines, floor)
                  for rank, c in within)
-    return ([c.meta for _, c in within], chance) if chance > 0 else ([], 0.0)
+    return ([c.meta for c in candidates], chance) if chance > 0 else ([], 0.0)
 
 
 def best_match(index: VectorIndex, partition: PartitionKey, vector: np.ndarray, text: str,
