@@ -109,8 +109,8 @@ class FusedPrefix:
     the whole prompt; `fill` leaves the last token's logits in `logits`, for the runner to sample.
 
     `num_restored` head tokens came from the prefix cache and `num_fused` chunk tokens from the
-    chunk cache without being recomputed; [0, exact_tokens) holds exact KV; `missing` are the
-    chunks to compute on their own and store after the answer. `inputs` is dropped once filled.
+    chunk cache without being recomputed; `missing` are the chunks to compute on their own and
+    store after the answer. `inputs` is dropped once filled.
     """
 
     num_tokens: int
@@ -118,7 +118,6 @@ class FusedPrefix:
     num_restored: int = 0
     num_fused: int = 0
     num_recomputed: int = 0
-    exact_tokens: int = 0
     tiers: list[str] = field(default_factory=list)
     missing: list[ChunkSpan] = field(default_factory=list)
     logits: torch.Tensor | None = None
@@ -218,7 +217,6 @@ class Fuser:
             num_loaded += end - span.start
         num_reused = int(reused.sum())
         num_sinks = num_loaded - num_reused
-        exact = int(reused.nonzero()[0, 0]) if num_reused else n + 1
 
         positions = torch.arange(num_head, n + 1, device=device)
         num_keep = max(0, math.ceil(share * num_loaded) - num_sinks)
@@ -233,7 +231,7 @@ class Fuser:
                               chunks, positions, reused_rows, num_keep, question)
         return FusedPrefix(
             num_tokens=n + 1, inputs=inputs, num_restored=num_head, num_fused=num_loaded - num_recomputed,
-            num_recomputed=num_recomputed, exact_tokens=exact, tiers=tiers, missing=missing,
+            num_recomputed=num_recomputed, tiers=tiers, missing=missing,
         )
 
     # ------------------------------------------------------------------ fill (model thread)
