@@ -17,6 +17,9 @@ import torch
 from gateway.kvcache.errors import LayoutMismatchError
 from gateway.kvcache.keys import BlockHash
 
+# What metadata-only mode (no layout) passes where a block would go: its tiers keep the hash only.
+NO_BLOCK = torch.empty(0)
+
 
 @dataclass(slots=True, frozen=True)
 class BlockLayout:
