@@ -62,7 +62,7 @@ from gateway.responsecache.embedder import DIMENSIONS, encode, load_model
 from gateway.responsecache.index import VectorIndex, embeddings_index, sketches_index
 from gateway.responsecache.keys import PartitionKey
 from gateway.responsecache.language import language_of
-from gateway.responsecache.semantic import Match, best_match, plausible
+from gateway.responsecache.semantic import Match, best_match, plausible, sketch_neighbourhood
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.store import EntryMeta
@@ -184,16 +184,26 @@ class StagedCache:
         self.embedded = embeddings_index()
         self.num_ruled_out = 0
         self.num_judged = 0
+        self.num_completed = 0  # matches judged again with the rest of the sketch neighbourhood embedded
 
     def match(self, text: str, vector: np.ndarray, verifier: Verifier) -> Match | None:
-        named = plausible(self.sketches, PARTITION, self.sketcher.sketch(text), text, self.sketcher.floor(text),
-                          self.sketcher.prejudge, 0.0)
+        sketch = self.sketcher.sketch(text)
+        named = plausible(self.sketches, PARTITION, sketch, text, self.sketcher.floor(text), self.sketcher.prejudge,
+                          0.0)
         if not named:
             self.num_ruled_out += 1
             return None
         self.num_judged += 1
         self.embedded.add(named)
-        return best_match(self.embedded, PARTITION, vector, text, verifier, 0.0)
+        match = best_match(self.embedded, PARTITION, vector, text, verifier, 0.0)
+        if match is not None:
+            missing = [m for m in sketch_neighbourhood(self.sketches, PARTITION, sketch, 0.0)
+                       if m.id not in self.embedded]
+            if missing:
+                self.num_completed += 1
+                self.embedded.add(missing)
+                match = best_match(self.embedded, PARTITION, vector, text, verifier, 0.0)
+        return match
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,8 +16,9 @@ A lookup ends at the first step that rules it out, each step dearer than the one
    close enough to be worth embedding (`ruled-out`), or the budget is too short for the chance of a
    hit (`busy`);
 3. the question and its plausible neighbours are embedded and judged (`semantic.best_match`; pairs
-   that share a long context by the sentences that differ), and the best match must still meet the
-   request's bar and the one near an entry reported wrong.
+   that share a long context by the sentences that differ); a match is judged again once the rest
+   of the question's sketch neighbourhood is embedded (`semantic.sketch_neighbourhood`), and must
+   still meet the request's bar and the one near an entry reported wrong.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from gateway.responsecache.index import Candidate, embeddings_index, sketches_in
 from gateway.responsecache.keys import PartitionKey
 from gateway.responsecache.language import language_of
 from gateway.responsecache.lookup import SKIP_BUSY, STAGE_JUDGED, STAGE_RULED_OUT, Lookup
-from gateway.responsecache.semantic import NUM_CANDIDATES, Match, best_match, differing_parts, plausible_with_chance
+from gateway.responsecache.semantic import (
+    NUM_CANDIDATES,
+    Match,
+    best_match,
+    differing_parts,
+    plausible_with_chance,
+    sketch_neighbourhood,
+)
 from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.store import EntryMeta
 from gateway.responsecache.verifier import Verifier
@@ -162,6 +170,13 @@ class SemanticStage:
         await self._embed_with(lookup, plausible)
         assert lookup.vector is not None
         match = best_match(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
+        if match is not None:  # judged again in the neighbourhood the judge was calibrated in
+            assert lookup.sketch is not None
+            missing = [m for m in sketch_neighbourhood(self._sketches, lookup.partition, lookup.sketch, now)
+                       if m.embedding is None]
+            if missing:
+                await self._embed_entries(missing)
+                match = best_match(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
         if match is not None and match.meta.query is not None and differing_parts(lookup.query, match.meta.query):
             match = None  # a long shared context: judged below by what differs, not by the whole turn
         if match is None:
@@ -192,11 +207,15 @@ class SemanticStage:
         """Embed the question, and in the same batch every plausible stored question not embedded
         yet: an entry's embedding is computed the first time a lookup needs it, never at store."""
         assert self._embedder is not None and lookup.query is not None
-        missing = [m for m in plausible if m.embedding is None]
-        vectors = await asyncio.gather(self._embedder.embed(lookup.query),
-                                       *(self._embedder.embed(m.query or "") for m in missing))
-        lookup.vector = vectors[0]
-        for meta, vector in zip(missing, vectors[1:], strict=True):
+        vector, _ = await asyncio.gather(self._embedder.embed(lookup.query),
+                                         self._embed_entries([m for m in plausible if m.embedding is None]))
+        lookup.vector = vector
+
+    async def _embed_entries(self, missing: list[EntryMeta]) -> None:
+        """Embed stored questions, and index those still served once embedded."""
+        assert self._embedder is not None
+        vectors = await asyncio.gather(*(self._embedder.embed(m.query or "") for m in missing))
+        for meta, vector in zip(missing, vectors, strict=True):
             if meta.id in self._sketches:  # not removed (or reported) while it was embedded
                 meta.embedding = vector
                 self._index.add([meta])

@@ -87,27 +87,6 @@ def test_the_prejudge_passes_paraphrases_and_rules_out_neighbours_the_judge_woul
     assert stored[0] not in named(numbered), "a different number is vetoed"
 
 
-def test_a_judged_lookup_embeds_its_whole_sketch_neighbourhood() -> None:
-    """Once one stored question is within the floor, its nearest neighbours below the floor are
-    named too: the judge reads how crowded the neighbourhood is, and was calibrated with them."""
-    sketcher = Sketcher.load()
-    question = "How can I reset the password of my wifi router?"
-    stored = ["How do I reset my wifi router password?", "How much does a new car battery cost?",
-              "What is the capital of Australia?", "Why do cats purr?", "How tall is Mount Everest?"]
-    floor = sketcher.floor(question)
-    below = [q for q in stored[1:] if float(sketcher.sketch(q) @ sketcher.sketch(question)) < floor]
-    assert below, "the other questions sketch below the floor"
-    index = VectorIndex(lambda meta: meta.sketch, sketcher.dimensions)
-    index.add([_sketch_meta(i + 1, q, sketcher) for i, q in enumerate(stored)])
-    named = [m.query for m in plausible(index, PartitionKey("p"), sketcher.sketch(question), question, floor,
-                                        None, 0.0)]
-    assert stored[0] in named and set(below) & set(named)
-    assert len(named) == 5, "the k + 1 nearest (k = 4)"
-    unrelated = "What is the boiling point of olive oil?"
-    assert plausible(index, PartitionKey("p"), sketcher.sketch(unrelated), unrelated, sketcher.floor(unrelated),
-                     None, 0.0) == [], "nothing within the floor: nothing named"
-
-
 def test_int8_sketch_index_finds_what_a_float_index_finds() -> None:
     """The sketch index stores int8 codes and re-ranks by exact cosine: the same candidates, with the
     same similarities, as a float index (and a removed entry is gone from both)."""

@@ -64,6 +64,22 @@ def test_stored_question_is_embedded_when_first_needed(gw: Gateway) -> None:
         assert stored_embedding(gw, question) is not None, "the embedding computed on demand reaches SQL"
 
 
+def test_a_hit_is_judged_with_its_whole_sketch_neighbourhood_embedded(gw: Gateway) -> None:
+    """Before a hit is served, the question's nearest stored questions by sketch are embedded too,
+    those far below the cheap stage's floor included: the judge reads how crowded the neighbourhood
+    is, and was calibrated with every stored question embedded."""
+    client = Client(gw)
+    system = {"role": "system", "content": "Answer household questions in one line (neighbourhood test)."}
+    stored = ["How do I descale my electric kettle at home?", "What is the capital city of Australia?",
+              "Why do cats purr when they are happy?", "How tall is Mount Everest in meters?"]
+    for question in stored:
+        client.miss_then_stored(messages=[system, {"role": "user", "content": question}])
+    before = stats(gw)["embedded_entries"]
+    hit = client.chat(messages=[system, {"role": "user", "content": "How can I descale an electric kettle at home?"}])
+    assert hit.cache == "hit-semantic", hit.headers
+    assert stats(gw)["embedded_entries"] == before + len(stored), "the whole neighbourhood, not only the candidate"
+
+
 def test_spent_cpu_budget_forwards_plausible_lookups_without_embedding(
         fake_upstream: str, tmp_path_factory: pytest.TempPathFactory, embedding_model: object) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('budget') / 'kvgate.db'}"
