@@ -175,7 +175,8 @@ def stored_metas(pairs: list[Pair], vectors: dict[str, np.ndarray], fillers: Seq
 
 class StagedCache:
     """The stored questions as a gateway holds them: every one sketched; an embedding enters the
-    judge's index only once some lookup's cheap stage named its question (`SemanticStage`)."""
+    judge's index only once some lookup's cheap stage named its question, or a lookup about to hit
+    needed its sketch neighbourhood (`SemanticStage`)."""
 
     def __init__(self, metas: list[EntryMeta], sketcher: Sketcher) -> None:
         self.sketcher = sketcher
