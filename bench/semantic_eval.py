@@ -185,7 +185,6 @@ class StagedCache:
         self.embedded = embeddings_index()
         self.num_ruled_out = 0
         self.num_judged = 0
-        self.num_completed = 0  # matches judged again with the rest of the sketch neighbourhood embedded
 
     def match(self, text: str, vector: np.ndarray, verifier: Verifier) -> Match | None:
         sketch = self.sketcher.sketch(text)
@@ -201,7 +200,6 @@ class StagedCache:
             missing = [m for m in sketch_neighbourhood(self.sketches, PARTITION, sketch, 0.0)
                        if m.id not in self.embedded]
             if missing:
-                self.num_completed += 1
                 self.embedded.add(missing)
                 match = best_match(self.embedded, PARTITION, vector, text, verifier, 0.0)
         return match
