@@ -1,7 +1,8 @@
 """`kvgate bench engine`: decode and prefill tokens/s of the built-in engine, 1 and 2 threads,
 1/4/8/16 sessions, beside llama.cpp on the same GGUF file (when llama-cpp-python is installed),
-the engine's previous int4 path (torch's int4 kernel and operators, `--also-weights int4-torch`,
-the default when kvgate's own kernels run) and its first path (transformers' forward, `--previous`).
+the engine's previous int4 paths (`--also-weights`, by default where kvgate's own kernels run:
+`int4-f32`, its kernel with float32 activations, and `int4-torch`, torch's int4 kernel and
+operators) and its first path (transformers' forward, `--previous`).
 
 Each kvgate row runs the engine's own step loop (`ModelRunner.step`, what the batch scheduler
 calls on its thread): S sequences of `--prompt-tokens` real text tokens each start together;
@@ -105,10 +106,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-chunk", type=int, default=256)
-    parser.add_argument("--weights", default="auto", help="engine.weights: auto, int4, int4-torch, bfloat16, float32")
+    parser.add_argument("--weights", default="auto", help="engine.weights: auto, int4, int4-f32, int4-torch, bfloat16, float32")
     parser.add_argument("--also-weights", default=None,
-                        help="other weight formats measured beside it, comma-separated (default: int4-torch where "
-                             "kvgate's kernels run)")
+                        help="other weight formats measured beside it, comma-separated (default: int4-f32 and "
+                             "int4-torch where kvgate's kernels run)")
     parser.add_argument("--previous", action="store_true", help="also the previous path (transformers' forward)")
     parser.add_argument("--agreement-prompts", type=int, default=50, help="0 skips the agreement check")
     parser.add_argument("--no-llama-cpp", action="store_true")
@@ -119,7 +120,8 @@ def main(argv: list[str]) -> int:
                         weights=args.weights)
     assert loaded.lean is not None
     engines: list[tuple[str, LoadedModel, Any]] = [("kvgate", loaded, loaded.lean.weights)]
-    also = args.also_weights if args.also_weights is not None else "int4-torch" if loaded.lean.fast else ""
+    also = args.also_weights if args.also_weights is not None \
+        else ("int4-f32,int4-torch" if loaded.lean.head.act16 else "int4-torch") if loaded.lean.fast else ""
     for weights in filter(None, also.split(",")):
         engines.append(("kvgate", dataclasses.replace(loaded, lean=LeanModel(loaded.model, weights)), weights))
     if args.previous:

@@ -26,6 +26,7 @@
 #include <stdatomic.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GROUP 32
@@ -102,6 +103,124 @@ span(const float *x, int64_t m, int64_t k, const uint8_t *w, int bits, float *y,
     }
 }
 
+/* ---- Products with int16 activations (AVX-512 VNNI) ------------------------------------------
+
+   With float32 activations a product costs one multiply-add lane per weight and row, which bounds
+   a batch of rows (16 lanes a cycle here). With each row's group of 32 activations rounded to int16
+   on its own scale (absmax / 32767: 15 bits, against bfloat16's 8), vpdpwssd multiplies two int16
+   pairs per 32-bit lane, twice the lanes, the integer sums exact; a group's sum is scaled to float32
+   once per row and 16 output rows: sum(x w) = s_x d sum(x_q q) + m sum(x), the last sum from the
+   float32 activations. Greedy decoding agrees with float32 on every one of `kvgate bench engine`'s
+   50 prompts.
+
+   Layout ("int16 layout"): tiles of 16 output rows, each group of 32 along the input for the 16
+   rows as one record. 4-bit (Q4_1): 8 chunks of 32 bytes, byte 2 j + p of chunk c holding in its
+   low nibble q of output row j at input 4 c + p and in its high nibble the one at 4 c + 2 + p
+   (widened to int16 lanes, the low nibbles are the pairs for inputs 4 c, 4 c + 1 and the high ones
+   for 4 c + 2, 4 c + 3, lane j per output row); then d and m for the 16 rows as float32 (384 bytes).
+   8-bit (Q8_0): 16 chunks of 32 signed bytes, chunk v for inputs 2 v, 2 v + 1 the same way, then d
+   (576 bytes). */
+
+#define TILE16 16
+#define ROWS16 8
+#define RECORD_Q4 384
+#define RECORD_Q8 576
+
+/* x [m, k] -> int16 x_q, each group's scale and float32 sum ([m, k / 32]) */
+__attribute__((target("avx512f,avx512bw"))) static void
+quantize16(const float *x, int64_t m, int64_t k, int16_t *xq, float *scale, float *sum)
+{
+    for (int64_t i = 0; i < m * k / GROUP; i++) {
+        const __m512 a = _mm512_loadu_ps(x + i * GROUP), b = _mm512_loadu_ps(x + i * GROUP + 16);
+        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        sum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        scale[i] = top / 32767.0f;
+        const __m512 inverse = _mm512_set1_ps(top > 0 ? 32767.0f / top : 0.0f);
+        _mm256_storeu_si256((__m256i *)(xq + i * GROUP), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse))));
+        _mm256_storeu_si256((__m256i *)(xq + i * GROUP + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse))));
+    }
+}
+
+/* Output rows j0 .. j0 + 15 for `rows` rows of quantized x. With few rows, each row sums into four
+   independent chains (the multiply-add's latency), else two. */
+static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vnni"))) void
+tile16(const int16_t *xq, const float *xs, const float *xsum, int64_t k, const uint8_t *w, float *y, int64_t n,
+       int64_t j0, const int rows, const int bits)
+{
+    const int64_t groups = k / GROUP, record = bits == 4 ? RECORD_Q4 : RECORD_Q8;
+    const int chains = rows <= 2 ? 4 : 2;
+    const __m512i low4 = _mm512_set1_epi16(0x0F);
+    const uint8_t *tile = w + j0 / TILE16 * groups * record;
+    __m512 acc[ROWS16];
+    for (int r = 0; r < rows; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *b = tile + g * record;
+        __m512i sums[ROWS16][4];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < chains; c++)
+                sums[r][c] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++) {
+            __m512i first, second;
+            if (bits == 4) {
+                const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 32 * c)));
+                first = _mm512_and_si512(bytes, low4);
+                second = _mm512_srli_epi16(bytes, 4);
+            } else {
+                first = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * c)));
+                second = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * c + 32)));
+            }
+            const int chain = chains == 4 ? 2 * (c & 1) : 0;
+            for (int r = 0; r < rows; r++) {
+                const int32_t *pairs = (const int32_t *)(xq + r * k + g * GROUP);
+                sums[r][chain] = _mm512_dpwssd_epi32(sums[r][chain], first, _mm512_set1_epi32(pairs[2 * c]));
+                sums[r][chain + 1] = _mm512_dpwssd_epi32(sums[r][chain + 1], second, _mm512_set1_epi32(pairs[2 * c + 1]));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps((const float *)(b + (bits == 4 ? 256 : 512)));
+        for (int r = 0; r < rows; r++) {
+            __m512i total = _mm512_add_epi32(sums[r][0], sums[r][1]);
+            if (chains == 4)
+                total = _mm512_add_epi32(total, _mm512_add_epi32(sums[r][2], sums[r][3]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xs[r * groups + g])),
+                                     acc[r]);
+            if (bits == 4)
+                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)(b + 320)),
+                                         _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        _mm512_storeu_ps(y + r * n + j0, acc[r]);
+}
+
+#define TILES16(rows)                                                      \
+    for (int64_t j = j_begin; j < j_end; j += TILE16)                      \
+        if (bits == 4)                                                     \
+            tile16(xq, xs, xsum, k, w, y, n, j, rows, 4);                  \
+        else                                                               \
+            tile16(xq, xs, xsum, k, w, y, n, j, rows, 8)
+
+/* Output rows [j_begin, j_end) of y [m, n] from quantized x (`quantize16`). */
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void
+span16(const int16_t *xq, const float *xs, const float *xsum, int64_t m, int64_t k, const uint8_t *w, int bits,
+       float *y, int64_t n, int64_t j_begin, int64_t j_end)
+{
+    const int64_t groups = k / GROUP;
+    for (int64_t r0 = 0; r0 < m; r0 += ROWS16, xq += ROWS16 * k, xs += ROWS16 * groups, xsum += ROWS16 * groups,
+                 y += ROWS16 * n) {
+        switch (m - r0 < ROWS16 ? m - r0 : ROWS16) {
+        case 1: TILES16(1); break;
+        case 2: TILES16(2); break;
+        case 3: TILES16(3); break;
+        case 4: TILES16(4); break;
+        case 5: TILES16(5); break;
+        case 6: TILES16(6); break;
+        case 7: TILES16(7); break;
+        default: TILES16(8); break;
+        }
+    }
+}
+
 /* Helper threads: each waits for a new job generation, runs its share of the output rows, and
    counts itself done. The caller runs the first share itself. Waiting spins a little, then sleeps
    on a condition variable, so idle helpers cost nothing between decode steps. */
@@ -113,10 +232,12 @@ struct job {
     const float *x;
     int64_t m, k;
     const uint8_t *w;
-    int bits;
+    int bits, act16; /* weight bits; activations as int16 (the int16 layout) or float32 */
     float *y;
     int64_t n;
     int parts;
+    const int16_t *xq; /* act16: x quantized (`quantize16`) */
+    const float *xs, *xsum;
 };
 
 static struct job current;
@@ -132,12 +253,16 @@ static void
 run_part(const struct job *job, int part)
 {
     /* whole tiles to each part */
-    const int64_t tiles = (job->n + COLS - 1) / COLS;
-    const int64_t begin = tiles * part / job->parts * COLS;
-    int64_t end = tiles * (part + 1) / job->parts * COLS;
+    const int64_t width = job->act16 ? TILE16 : COLS, tiles = (job->n + width - 1) / width;
+    const int64_t begin = tiles * part / job->parts * width;
+    int64_t end = tiles * (part + 1) / job->parts * width;
     if (end > job->n)
         end = job->n;
-    if (begin < end)
+    if (begin >= end)
+        return;
+    if (job->act16)
+        span16(job->xq, job->xs, job->xsum, job->m, job->k, job->w, job->bits, job->y, job->n, begin, end);
+    else
         span(job->x, job->m, job->k, job->w, job->bits, job->y, job->n, begin, end);
 }
 
@@ -174,13 +299,32 @@ q4_supported(void)
     return __builtin_cpu_supports("avx512f");
 }
 
+/* Non-zero if it runs the int16-activation ones too (AVX-512 BW and VNNI). */
+int
+act16_supported(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vnni");
+}
+
 static void
-matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int bits, float *y, int64_t n, int threads)
+matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int bits, int act16, float *y, int64_t n, int threads)
 {
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
+    struct job job = {x, m, k, w, bits, act16, y, n, 1, 0, 0, 0};
+    int16_t *xq = 0;
+    if (act16) {
+        const int64_t groups = m * k / GROUP;
+        xq = malloc(m * k * sizeof(int16_t) + 2 * groups * sizeof(float));
+        float *xs = (float *)(xq + m * k);
+        quantize16(x, m, k, xq, xs, xs + groups);
+        job.xq = xq, job.xs = xs, job.xsum = xs + groups;
+    }
     if (threads <= 1 || n < 64 * threads || pthread_mutex_trylock(&busy) != 0) {
-        span(x, m, k, w, bits, y, n, 0, n);
+        run_part(&job, 0);
+        free(xq);
         return;
     }
     while (helpers < threads - 1) {
@@ -193,7 +337,8 @@ matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int bits, float *
     }
     if (threads > helpers + 1)
         threads = helpers + 1;
-    current = (struct job){x, m, k, w, bits, y, n, threads};
+    job.parts = threads;
+    current = job;
     atomic_store_explicit(&pending, helpers, memory_order_release);
     pthread_mutex_lock(&lock);
     atomic_fetch_add_explicit(&generation, 1, memory_order_acq_rel);
@@ -203,6 +348,7 @@ matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int bits, float *
     while (atomic_load_explicit(&pending, memory_order_acquire) > 0)
         _mm_pause();
     pthread_mutex_unlock(&busy);
+    free(xq);
 }
 
 /* y [m, n] = x [m, k] @ W.T, W as `w`: 4-bit blocks (above); k a multiple of 64, n of COLS.
@@ -212,14 +358,28 @@ matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int bits, float *
 void
 q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t n, int threads)
 {
-    matmul(x, m, k, w, 4, y, n, threads);
+    matmul(x, m, k, w, 4, 0, y, n, threads);
 }
 
 /* The same with Q8_0 blocks (`tile`): SmolLM2's vocabulary head ships as Q8_0. */
 void
 q8_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t n, int threads)
 {
-    matmul(x, m, k, w, 8, y, n, threads);
+    matmul(x, m, k, w, 8, 0, y, n, threads);
+}
+
+/* The same from the int16 layout (above): activations rounded to int16 per group of 32; k a
+   multiple of 32, n of 16. */
+void
+q4_matmul16(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t n, int threads)
+{
+    matmul(x, m, k, w, 4, 1, y, n, threads);
+}
+
+void
+q8_matmul16(const float *x, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t n, int threads)
+{
+    matmul(x, m, k, w, 8, 1, y, n, threads);
 }
 
 /* ---- One decoder layer for a batch of decoding sequences (one new token each) ----------------
@@ -315,6 +475,53 @@ attend(const float *q, const float *keys, const float *values, int64_t length, i
         _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(norm)));
 }
 
+/* `attend` for dim 64 (SmolLM2's heads), its vectors in registers: the scores two multiply-add
+   chains a key, the weighted sum of values over four sets of accumulators (one set, updated once a
+   key, made the latency of a multiply-add the time per key: most of a decode step at 16 rows). */
+__attribute__((target("avx512f"))) static void
+attend64(const float *q, const float *keys, const float *values, int64_t length, float *scores, float *out)
+{
+    const __m512 scale = _mm512_set1_ps(0.125f); /* 1 / sqrt(64) */
+    const __m512 q0 = _mm512_mul_ps(_mm512_loadu_ps(q), scale), q1 = _mm512_mul_ps(_mm512_loadu_ps(q + 16), scale);
+    const __m512 q2 = _mm512_mul_ps(_mm512_loadu_ps(q + 32), scale), q3 = _mm512_mul_ps(_mm512_loadu_ps(q + 48), scale);
+    float best = -INFINITY;
+    for (int64_t t = 0; t < length; t++) {
+        const float *k = keys + t * 64;
+        const __m512 a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k)));
+        const __m512 b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), _mm512_mul_ps(q2, _mm512_loadu_ps(k + 32)));
+        scores[t] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        best = scores[t] > best ? scores[t] : best;
+    }
+    const __m512 top = _mm512_set1_ps(best);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t += 16) {
+        const __mmask16 live = length - t >= 16 ? 0xFFFF : (__mmask16)((1u << (length - t)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + t), top));
+        _mm512_mask_storeu_ps(scores + t, live, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
+    }
+    __m512 acc[4][4];
+    for (int u = 0; u < 4; u++)
+        for (int i = 0; i < 4; i++)
+            acc[u][i] = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 4 <= length; t += 4)
+        for (int u = 0; u < 4; u++) {
+            const __m512 p = _mm512_set1_ps(scores[t + u]);
+            for (int i = 0; i < 4; i++)
+                acc[u][i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values + (t + u) * 64 + 16 * i), acc[u][i]);
+        }
+    for (; t < length; t++) {
+        const __m512 p = _mm512_set1_ps(scores[t]);
+        for (int i = 0; i < 4; i++)
+            acc[0][i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values + t * 64 + 16 * i), acc[0][i]);
+    }
+    const __m512 norm = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int i = 0; i < 4; i++)
+        _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]),
+                                                                   _mm512_add_ps(acc[2][i], acc[3][i])), norm));
+}
+
 /* gate_up [2 * inter] -> silu(gate) * up [inter] (inter a multiple of 16) */
 __attribute__((target("avx512f"))) static void
 silu_mul(const float *gate_up, int64_t inter, float *out)
@@ -335,6 +542,7 @@ struct layer {
 
 struct shape {
     int64_t hidden, heads, kv_heads, dim, inter, capacity;
+    int64_t act16; /* the weights in the int16 layout, products with int16 activations */
     float eps;
 };
 
@@ -356,7 +564,7 @@ q4_decode_layer(float *x, int64_t rows, const struct layer *layer, const struct 
 
     for (int64_t b = 0; b < rows; b++)
         rms_norm(x + b * hidden, layer->attn_norm, s->eps, hidden, normed + b * hidden);
-    q4_matmul(normed, rows, hidden, layer->qkv, qkv, qkv_width, threads);
+    matmul(normed, rows, hidden, layer->qkv, 4, (int)s->act16, qkv, qkv_width, threads);
     for (int64_t b = 0; b < rows; b++) {
         float *row = qkv + b * qkv_width;
         for (int64_t h = 0; h < s->heads + s->kv_heads; h++)  /* the query heads, then the key heads */
@@ -368,19 +576,23 @@ q4_decode_layer(float *x, int64_t rows, const struct layer *layer, const struct 
         }
         for (int64_t h = 0; h < s->heads; h++) {
             const int64_t base = (slots[b] * s->kv_heads + h / group) * s->capacity * dim;
-            attend(row + h * dim, layer->keys + base, layer->values + base, positions[b] + 1, dim, scores,
-                   attn + b * q_width + h * dim);
+            if (dim == 64)
+                attend64(row + h * dim, layer->keys + base, layer->values + base, positions[b] + 1, scores,
+                         attn + b * q_width + h * dim);
+            else
+                attend(row + h * dim, layer->keys + base, layer->values + base, positions[b] + 1, dim, scores,
+                       attn + b * q_width + h * dim);
         }
     }
-    q4_matmul(attn, rows, q_width, layer->out, normed, hidden, threads);
+    matmul(attn, rows, q_width, layer->out, 4, (int)s->act16, normed, hidden, threads);
     for (int64_t i = 0; i < rows * hidden; i++)
         x[i] += normed[i];
     for (int64_t b = 0; b < rows; b++)
         rms_norm(x + b * hidden, layer->mlp_norm, s->eps, hidden, normed + b * hidden);
-    q4_matmul(normed, rows, hidden, layer->gate_up, gate_up, 2 * s->inter, threads);
+    matmul(normed, rows, hidden, layer->gate_up, 4, (int)s->act16, gate_up, 2 * s->inter, threads);
     for (int64_t b = 0; b < rows; b++)
         silu_mul(gate_up + b * 2 * s->inter, s->inter, act + b * s->inter);
-    q4_matmul(act, rows, s->inter, layer->down, normed, hidden, threads);
+    matmul(act, rows, s->inter, layer->down, 4, (int)s->act16, normed, hidden, threads);
     for (int64_t i = 0; i < rows * hidden; i++)
         x[i] += normed[i];
     return 0;

@@ -32,7 +32,14 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("dim", _I), ("inter", _I), ("capacity", _I),
-                ("eps", ctypes.c_float)]
+                ("act16", _I), ("eps", ctypes.c_float)]
+
+
+@functools.cache
+def act16() -> bool:
+    """Whether the CPU runs the kernels with int16 activations too (AVX-512 BW and VNNI)."""
+    lib = library()
+    return lib is not None and bool(lib.act16_supported())
 
 
 @functools.cache
@@ -44,7 +51,7 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     if not lib.q4_supported():
         return None
-    for matmul in lib.q4_matmul, lib.q8_matmul:
+    for matmul in lib.q4_matmul, lib.q8_matmul, lib.q4_matmul16, lib.q8_matmul16:
         matmul.argtypes = [_P, _I, _I, _P, _P, _I, ctypes.c_int]
         matmul.restype = None
     lib.q4_decode_layer.argtypes = [_P, _I, ctypes.POINTER(_Layer), ctypes.POINTER(_Shape), _P, _P, _P, _P, _P,
@@ -63,7 +70,7 @@ class FastDecode:
         first = lean.layers[0]
         self.inter = first.down.in_features
         self.shape = _Shape(hidden=lean.hidden, heads=lean.num_heads, kv_heads=lean.num_kv_heads, dim=lean.head_dim,
-                            inter=self.inter, capacity=0, eps=lean.eps)
+                            inter=self.inter, capacity=0, act16=int(first.qkv.act16), eps=lean.eps)
         self.layers = (_Layer * len(lean.layers))()
         for spec, layer in zip(self.layers, lean.layers, strict=True):
             spec.attn_norm, spec.mlp_norm = layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()
@@ -76,6 +83,7 @@ class FastDecode:
         lib = library()
         linears = [m for layer in lean.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
         if lib is None or lean.embed.device.type != "cpu" or any(m.q4 is None for m in linears) \
+                or len({m.act16 for m in linears}) > 1 \
                 or lean.hidden % 16 or lean.head_dim % 16 or lean.head_dim > 256 or lean.num_heads % lean.num_kv_heads \
                 or any(t.dtype != torch.float32 or not t.is_contiguous()
                        for layer in lean.layers for t in (layer.attn_norm, layer.mlp_norm)):

@@ -102,8 +102,8 @@ def resolve_weights(name: str, device: torch.device) -> str:
     """What the lean forward pass's matrix products read: int4 where a CPU int4 kernel runs."""
     if name == "auto":
         return "int4" if int4_available(device) else "float32"
-    if name not in ("int4", "int4-torch", "bfloat16", "float32"):
-        raise ValueError(f"engine weights {name!r}: auto, int4, int4-torch, bfloat16 or float32")
+    if name not in ("int4", "int4-f32", "int4-torch", "bfloat16", "float32"):
+        raise ValueError(f"engine weights {name!r}: auto, int4, int4-f32, int4-torch, bfloat16 or float32")
     return name
 
 

@@ -62,8 +62,17 @@ class Linear:
         self.lossless = fmt == "float32"  # the products read the float32 weights exactly
         self.packed: torch.Tensor | None = None
         self.scale_zero: torch.Tensor | None = None
-        kernel = kernels.library() if fmt == "int4" and weight.device.type == "cpu" else None
-        if kernel is not None and not weight.shape[1] % (2 * GROUP) and not weight.shape[0] % 4:
+        self.act16 = False  # kvgate's kernel with int16 activations (`kernels.c`), its own layout
+        kernel = kernels.library() if fmt in ("int4", "int4-f32") and weight.device.type == "cpu" else None
+        if kernel is not None and fmt == "int4" and kernels.act16() and not weight.shape[1] % GROUP \
+                and not weight.shape[0] % 16:
+            self.act16 = True
+            self.q4, self.lossless = pack_q4(weight, act16=True)
+            if not self.lossless:
+                q8, exact = pack_q8(weight, act16=True)
+                if exact:
+                    self.q4, self.q8, self.lossless = None, q8, True
+        elif kernel is not None and not weight.shape[1] % (2 * GROUP) and not weight.shape[0] % 4:
             self.q4, self.lossless = pack_q4(weight)
             if not self.lossless:
                 q8, exact = pack_q8(weight)
@@ -90,7 +99,10 @@ class Linear:
             assert lib is not None
             x = x.contiguous()
             y = torch.empty(x.shape[0], self.out_features)
-            matmul, blocks = (lib.q4_matmul, self.q4) if self.q4 is not None else (lib.q8_matmul, self.q8)
+            if self.act16:
+                matmul, blocks = (lib.q4_matmul16, self.q4) if self.q4 is not None else (lib.q8_matmul16, self.q8)
+            else:
+                matmul, blocks = (lib.q4_matmul, self.q4) if self.q4 is not None else (lib.q8_matmul, self.q8)
             assert blocks is not None
             matmul(x.data_ptr(), x.shape[0], self.in_features, blocks.data_ptr(), y.data_ptr(), self.out_features,
                    threads or torch.get_num_threads())
@@ -102,9 +114,9 @@ class Linear:
         return torch.nn.functional.linear(x.to(torch.bfloat16), self.half).float()
 
 
-def pack_q4(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """float32 `[N, K]` (K a multiple of 64, N of 4) -> the bytes `kernels.c` reads, and whether they
-    hold `weight` exactly.
+def pack_q4(weight: torch.Tensor, act16: bool = False) -> tuple[torch.Tensor, bool]:
+    """float32 `[N, K]` (K a multiple of 64, N of 4; for `act16`, the int16 layout, of 32 and 16)
+    -> the bytes `kernels.c` reads, and whether they hold `weight` exactly.
 
     Per group of 32 along K: the minimum, and the scale from the maximum (15 steps above it), taken
     at float16 where that reproduces the group exactly (a Q4_1 group's scale is a float16, and the
@@ -123,15 +135,19 @@ def pack_q4(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     scale16, scale32 = step.half().double(), step.float().double()
     (q16, error16), (q32, error32) = on_grid(scale16), on_grid(scale32)
     wider = error32 < error16
+    exact = bool((torch.minimum(error16, error32) == 0).all())
+    if act16:
+        scale = torch.where(wider, scale32, scale16).float().reshape(n, k // GROUP)
+        return _records16(torch.where(wider, q32, q16).reshape(n, k), scale, low.float().reshape(n, k // GROUP)), exact
     q = torch.where(wider, q32, q16).to(torch.int32).reshape(n, k // 64, 4, 16)  # [block, t, i]: weight 16 t + i
     words = (q[:, :, 0] | q[:, :, 1] << 4 | q[:, :, 2] << 8 | q[:, :, 3] << 12).to(torch.int16)
     scale_min = torch.stack([torch.where(wider, scale32, scale16), low], dim=-1).reshape(n, k // 64, 4).float()
     blocks = torch.cat([words.view(torch.uint8).reshape(n, k // 64, 32),
                         scale_min.view(torch.uint8).reshape(n, k // 64, 16)], dim=-1)
-    return _tiles(blocks), bool((torch.minimum(error16, error32) == 0).all())
+    return _tiles(blocks), exact
 
 
-def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def pack_q8(weight: torch.Tensor, act16: bool = False) -> tuple[torch.Tensor, bool]:
     """float32 `[N, K]` -> Q8_0 blocks as `kernels.c` reads them (per group of 32: signed 8-bit q
     and a scale, weight = q * scale, the scale the float16 of max |weight| / 127 as GGUF makes it),
     and whether they hold `weight` exactly (they do for a matrix that shipped as Q8_0)."""
@@ -140,6 +156,8 @@ def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     scale = (groups.abs().amax(dim=-1, keepdim=True) / 127).half().double()
     q = torch.round(groups / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(-127, 127)
     exact = bool(((q * scale).float().double() == groups).all())  # as the kernel rounds
+    if act16:
+        return _records16(q.reshape(n, k), scale.float().reshape(n, k // GROUP), None), exact
     blocks = torch.cat([q.to(torch.int8).view(torch.uint8).reshape(n, k // 64, 64),
                         scale.float().reshape(n, k // 64, 2).view(torch.uint8)], dim=-1)
     return _tiles(blocks), exact
@@ -150,6 +168,26 @@ def _tiles(blocks: torch.Tensor) -> torch.Tensor:
     the kernel reads them in."""
     n, count, size = blocks.shape
     return blocks.reshape(n // 4, 4, count, size).transpose(1, 2).contiguous()
+
+
+def _records16(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
+    """q `[N, K]` (0..15 with `low`, Q4_1; -127..127 without, Q8_0) and per-group scale (and
+    minimum) `[N, K / 32]` -> the int16 layout of `kernels.c`: per tile of 16 output rows, per group,
+    a record of the values as the kernel widens them, then the 16 scales (and minimums)."""
+    n, k = q.shape
+    tiles, groups = n // 16, k // GROUP
+
+    def per_group(values: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [tiles, groups, 64 bytes]
+        return values.reshape(tiles, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+    if low is not None:  # [tile, j, group, c, half, p]: input 4 c + 2 half + p; byte (c, j, p) = half 0 | half 1 << 4
+        q6 = q.to(torch.uint8).reshape(tiles, 16, groups, 8, 2, 2)
+        values = (q6[..., 0, :] | q6[..., 1, :] << 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
+        parts = [values, per_group(scale), per_group(low)]
+    else:  # [tile, j, group, v, p]: input 2 v + p; byte (v, j, p)
+        values = q.to(torch.int8).view(torch.uint8).reshape(tiles, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
+        parts = [values.reshape(tiles, groups, 512), per_group(scale)]
+    return torch.cat(parts, dim=-1).contiguous()
 
 
 def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,9 +26,10 @@ class EngineSettings(BaseModel):
     )
     weights: str = Field(
         default="auto",
-        description="Lean path matmul weights: auto (int4 on CPU), int4 (kvgate's kernel, float32 activations, where"
-        " it was built and the CPU has AVX-512; else torch's), int4-torch (torch's kernel, bfloat16 activations),"
-        " bfloat16, float32 (exact).",
+        description="Lean path matmul weights: auto (int4 on CPU), int4 (kvgate's kernel where it was built and the"
+        " CPU has AVX-512: activations rounded to int16 per group of 32 where it has VNNI, else float32; else"
+        " torch's), int4-f32 (kvgate's kernel, float32 activations), int4-torch (torch's kernel, bfloat16"
+        " activations), bfloat16, float32 (exact).",
     )
     num_threads: int | None = Field(default=None, ge=1, description="torch CPU threads; unset = torch's default.")
     max_context_tokens: int = Field(default=8192, ge=16, description="Longest prompt + completion accepted.")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gateway.engine import kvpool
-from gateway.engine.kernels import library
+from gateway.engine.kernels import act16, library
 from gateway.engine.kvpool import KVPool
 from gateway.engine.lean import Feed, LeanModel, Probe
 from gateway.engine.model import LoadedModel
@@ -73,7 +73,7 @@ def test_q4_kernel_holds_the_q4_1_weights_exactly_and_multiplies_in_float32(
         loaded_model: LoadedModel, exact: LeanModel) -> None:
     layer = loaded_model.model.model.layers[3]  # type: ignore[union-attr, index]
     for weight in layer.mlp.down_proj.weight.detach(), layer.self_attn.q_proj.weight.detach():
-        int4 = Linear(weight, "int4")
+        int4 = Linear(weight, "int4-f32")
         assert int4.q4 is not None and int4.packed is None
         k = weight.shape[1]
         eye = torch.eye(k)
@@ -94,12 +94,12 @@ def test_q4_kernel_holds_the_q4_1_weights_exactly_and_multiplies_in_float32(
             torch.set_num_threads(threads)
 
     head = loaded_model.model.get_output_embeddings().weight.detach()  # type: ignore[operator]
-    int8 = Linear(head, "int4")
+    int8 = Linear(head, "int4-f32")
     assert int8.q8 is not None and int8.q4 is None and int8.lossless  # it ships as Q8_0, held as such
     eye = torch.eye(head.shape[1])
     assert torch.equal(torch.cat([int8(eye[i : i + 16]) for i in range(0, head.shape[1], 16)]).T, head)
 
-    lean = LeanModel(loaded_model.model, "int4")
+    lean = LeanModel(loaded_model.model, "int4-f32")
     ids = chat_ids(loaded_model, [{"role": "user", "content": QUESTIONS[1]}])
     pool, other = _pool(loaded_model), _pool(loaded_model)
     assert _greedy(lean, pool, pool.allocate(), ids, 16) == _greedy(exact, other, other.allocate(), ids, 16)
@@ -132,14 +132,55 @@ def test_batched_decode_over_the_pool_matches_each_alone(loaded_model: LoadedMod
     assert pool.capacity >= max(len(p) for p in prompts) + 6
 
 
+@pytest.mark.skipif(not act16(), reason="kvgate's kernels were not built here, or the CPU lacks AVX-512 VNNI")
+def test_int16_activation_kernel_holds_the_weights_and_rounds_only_the_activations(
+        loaded_model: LoadedModel, exact: LeanModel) -> None:
+    """The default "int4": the same Q4_1 (and the head's Q8_0) weights, activations rounded to
+    int16 per group of 32 (15 bits against bfloat16's 8): products within a few 1e-5 of float32,
+    helper threads splitting output rows, and greedy decoding float32's."""
+    layer = loaded_model.model.model.layers[3]  # type: ignore[union-attr, index]
+    head = loaded_model.model.get_output_embeddings().weight.detach()  # type: ignore[operator]
+    for weight in layer.mlp.down_proj.weight.detach(), layer.self_attn.q_proj.weight.detach(), head:
+        int4 = Linear(weight, "int4")
+        assert int4.act16 and int4.lossless and int4.packed is None
+        assert (int4.q8 is not None) == (weight is head)  # the head ships as Q8_0, held as such
+        k = weight.shape[1]
+        eye = torch.eye(k)  # identity rows read the held weights back (one value a group: no rounding to speak of)
+        held = torch.cat([int4(eye[i : i + 16]) for i in range(0, k, 16)]).T
+        torch.testing.assert_close(held, weight, atol=2e-7, rtol=1e-6)  # d q + m: float32's two roundings
+        for rows in (1, 2, 3, 8, 9, 17):  # every tile shape of the kernel, and its remainders
+            x = torch.randn(rows, k)
+            ref = (x.double() @ weight.double().T).float()
+            assert ((int4(x) - ref).norm() / ref.norm()).item() < 1e-4
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = int4(x)
+            torch.set_num_threads(2)
+            assert torch.equal(int4(x), one)  # helper threads split output rows, not sums
+        finally:
+            torch.set_num_threads(threads)
+    lean = LeanModel(loaded_model.model, "int4")
+    for question in QUESTIONS[:3]:
+        ids = chat_ids(loaded_model, [{"role": "user", "content": question}])
+        pool, other = _pool(loaded_model), _pool(loaded_model)
+        assert _greedy(lean, pool, pool.allocate(), ids, 16) == _greedy(exact, other, other.allocate(), ids, 16)
+
+
 @pytest.mark.skipif(library() is None, reason="kvgate's kernels were not built here, or the CPU lacks AVX-512F")
-def test_decode_steps_in_c_match_the_torch_path_row_for_row(loaded_model: LoadedModel) -> None:
+@pytest.mark.parametrize(("weights", "atol", "kv_atol"), [("int4-f32", 2e-3, 1e-4), ("int4", 2e-2, 5e-3)])
+def test_decode_steps_in_c_match_the_torch_path_row_for_row(loaded_model: LoadedModel, weights: str,
+                                                            atol: float, kv_atol: float) -> None:
     """Sequences of different lengths decoding together, through `kernels.FastDecode` and through
     the torch operators, on the same int4 weights: the same K/V rows, the same logits up to float32
-    rounding, with 1 and 2 threads, while the pool grows."""
-    fast = LeanModel(loaded_model.model, "int4")
+    rounding (with int16 activations, up to their rounding: a value that lands on the other side of
+    a rounding boundary moves by a step of 1/32767 of its group's largest), with 1 and 2 threads,
+    while the pool grows."""
+    if weights == "int4" and not act16():
+        pytest.skip("the CPU lacks AVX-512 VNNI")
+    fast = LeanModel(loaded_model.model, weights)
     assert fast.fast is not None
-    slow = LeanModel(loaded_model.model, "int4")
+    slow = LeanModel(loaded_model.model, weights)
     slow.fast = None
     prompts = [chat_ids(loaded_model, [{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
     pools = [_pool(loaded_model, capacity=16), _pool(loaded_model, capacity=16)]
@@ -156,13 +197,13 @@ def test_decode_steps_in_c_match_the_torch_path_row_for_row(loaded_model: Loaded
             torch.set_num_threads(1 + step % 2)
             feeds = [[Feed(held[i], len(prompts[i]) + step, [tokens[i]]) for i in (2, 0, 1)] for held in slots]
             logits = [fast.forward(pools[0], feeds[0]), slow.forward(pools[1], feeds[1])]
-            torch.testing.assert_close(logits[0], logits[1], atol=2e-3, rtol=1e-4)
+            torch.testing.assert_close(logits[0], logits[1], atol=atol, rtol=1e-4)
             tokens = [int(logits[1][(2, 0, 1).index(i)].argmax()) for i in range(3)]
     finally:
         torch.set_num_threads(threads)
     for k0, k1 in zip(pools[0].keys, pools[1].keys, strict=True):
         for s0, s1, ids in zip(slots[0], slots[1], prompts, strict=True):
-            torch.testing.assert_close(k0[s0, :, : len(ids) + 6], k1[s1, :, : len(ids) + 6], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(k0[s0, :, : len(ids) + 6], k1[s1, :, : len(ids) + 6], atol=kv_atol, rtol=1e-4)
     assert pools[0].capacity >= max(len(p) for p in prompts) + 6
 
 
