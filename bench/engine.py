@@ -106,7 +106,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-chunk", type=int, default=256)
-    parser.add_argument("--weights", default="auto", help="engine.weights: auto, int4, int4-f32, int4-torch, bfloat16, float32")
+    parser.add_argument("--weights", default="auto",
+                        help="engine.weights: auto, int4, int4-f32, int4-torch, bfloat16, float32")
     parser.add_argument("--also-weights", default=None,
                         help="other weight formats measured beside it, comma-separated (default: int4-f32 and "
                              "int4-torch where kvgate's kernels run)")
