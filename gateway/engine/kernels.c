@@ -2,7 +2,8 @@
    setup.py as an optional extension; AVX-512F, checked by `q4_supported`, else the engine
    keeps its torch path). No Python API, so no Python headers.
 
-   q4_matmul: y = x @ W.T for 4-bit weights and float32 activations.
+   q4_matmul: y = x @ W.T for 4-bit weights and float32 activations ("int4-f32"); q4_matmul16,
+   the same with activations rounded to int16 ("int4", below: "Products with int16 activations").
 
    W is held in groups of 32 weights along the input dimension, each weight = q * d + m with q in
    0..15 and a scale d and minimum m per group: Q4_1, the grid SmolLM2's GGUF file ships. A block
@@ -475,6 +476,24 @@ attend(const float *q, const float *keys, const float *values, int64_t length, i
         _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(norm)));
 }
 
+/* lane u = the sum of v[u]'s 16 lanes: pairs of vectors folded together, halving the lanes each
+   holds per key, four times (45 shuffles and adds for 16 sums, against ~8 each alone) */
+static inline __attribute__((always_inline, target("avx512f"))) __m512
+sum_lanes16(const __m512 v[16])
+{
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++) /* each 128-bit lane: v[2i]'s partial sums at 0 and 2, v[2i + 1]'s at 1 and 3 */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* each 128-bit lane: keys 4i .. 4i + 3, one partial sum each */
+        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++) /* 128-bit lanes 0, 1: quads[2i]'s (halves), 2, 3: quads[2i + 1]'s */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
 /* `attend` for dim 64 (SmolLM2's heads), its vectors in registers: the scores two multiply-add
    chains a key, the weighted sum of values over four sets of accumulators (one set, updated once a
    key, made the latency of a multiply-add the time per key: most of a decode step at 16 rows). */
@@ -484,8 +503,22 @@ attend64(const float *q, const float *keys, const float *values, int64_t length,
     const __m512 scale = _mm512_set1_ps(0.125f); /* 1 / sqrt(64) */
     const __m512 q0 = _mm512_mul_ps(_mm512_loadu_ps(q), scale), q1 = _mm512_mul_ps(_mm512_loadu_ps(q + 16), scale);
     const __m512 q2 = _mm512_mul_ps(_mm512_loadu_ps(q + 32), scale), q3 = _mm512_mul_ps(_mm512_loadu_ps(q + 48), scale);
-    float best = -INFINITY;
-    for (int64_t t = 0; t < length; t++) {
+    __m512 highest = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= length; t += 16) { /* 16 keys' products, summed across lanes together */
+        __m512 dots[16];
+        for (int u = 0; u < 16; u++) {
+            const float *k = keys + (t + u) * 64;
+            const __m512 a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k)));
+            const __m512 b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), _mm512_mul_ps(q2, _mm512_loadu_ps(k + 32)));
+            dots[u] = _mm512_add_ps(a, b);
+        }
+        const __m512 sums = sum_lanes16(dots);
+        _mm512_storeu_ps(scores + t, sums);
+        highest = _mm512_max_ps(highest, sums);
+    }
+    float best = _mm512_reduce_max_ps(highest);
+    for (; t < length; t++) {
         const float *k = keys + t * 64;
         const __m512 a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k)));
         const __m512 b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), _mm512_mul_ps(q2, _mm512_loadu_ps(k + 32)));
@@ -504,8 +537,7 @@ attend64(const float *q, const float *keys, const float *values, int64_t length,
     for (int u = 0; u < 4; u++)
         for (int i = 0; i < 4; i++)
             acc[u][i] = _mm512_setzero_ps();
-    int64_t t = 0;
-    for (; t + 4 <= length; t += 4)
+    for (t = 0; t + 4 <= length; t += 4)
         for (int u = 0; u < 4; u++) {
             const __m512 p = _mm512_set1_ps(scores[t + u]);
             for (int i = 0; i < 4; i++)

@@ -1,6 +1,6 @@
 """kvgate's CPU kernels (`kernels.c`, an optional C extension loaded with ctypes): the int4 matrix
-product `quant.Linear` uses, and `FastDecode`, a whole decoder layer for a step in which every
-sequence decodes one token.
+products `quant.Linear` uses (float32 activations, or int16 ones where the CPU has AVX-512 VNNI),
+and `FastDecode`, a whole decoder layer for a step in which every sequence decodes one token.
 
 The extension is built by setup.py where a compiler is present and runs where the CPU has
 AVX-512F; `library()` is None elsewhere, and the engine keeps its torch path (`lean.py`).

@@ -3,11 +3,12 @@
 Decoding one token reads every weight once, so at batch 1 its speed is the weights' bytes and the
 work of de-quantizing them. SmolLM2 ships as GGUF Q4_1 (4-bit values, a scale and a minimum per 32
 weights along the input dimension): the float32 model kvgate loads is that grid de-quantized.
-The "int4" format packs it back (`pack_q4`: each group's scale and minimum are recovered from its
+The "int4" formats pack it back (`pack_q4`: each group's scale and minimum are recovered from its
 float32 weights, and the 4-bit values exactly, since every Q4_1 group holds its q = 0 and q = 15)
-and multiplies with kvgate's own kernel, `kernels.c`: groups de-quantized in registers, float32
-activations, float32 accumulation, so its products are float32's up to summation order. It needs
-AVX-512F and a compiler at install time (setup.py builds it as an optional extension).
+and multiply with kvgate's own kernel, `kernels.c`: "int4-f32" de-quantizes groups in registers
+and multiplies float32 activations, so its products are float32's up to summation order; "int4"
+(below) rounds the activations to int16. They need AVX-512F (and VNNI for "int4") and a compiler
+at install time (setup.py builds the kernels as an optional extension).
 
 Without the kernel, "int4" falls back to torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`,
 the previous default, also selectable as "int4-torch"): the same 4-bit values, but bfloat16 scales
@@ -16,11 +17,16 @@ prompts agreed with float32 over 32 tokens; `kvgate bench engine` measures it).
 
 Measured here (AMD EPYC, not under `quiet`): the linear maps of 30 distinct layers plus the head
 at one row, their weights streaming from memory as in a decode step, kvgate's kernel 7.5 ms against
-torch's int4 kernel's 10.3 (one thread) and 4.0 against 5.1 (two). With the same matrices over
-and over (cache-resident), both cost ~1.6 ns a group: at one thread de-quantizing, not memory,
-bounds them. At 16 rows kvgate's kernel is bound by the float32 multiply-adds themselves (16 a
-cycle on this core: ~50 ms for 16 tokens), which is why batches gain only ~2x per token; bfloat16
-or int8 arithmetic would gain more and give up float32's answers.
+torch's int4 kernel's 10.3 (one thread) and 4.0 against 5.1 (two). At 16 rows the float32
+kernel is bound by the multiply-adds themselves (16 a cycle on this core), which is why batches
+gained only ~2x per token. So "int4" now rounds each row's activations to int16 per group of 32
+(where the CPU has AVX-512 VNNI; `kernels.c`) and multiplies with vpdpwssd, two int16 pairs a
+32-bit lane: the layers and head of a 16-row step took 14.1 + 3.5 ms against 19.4 + 5.1 in float32,
+and one row 3.8 against 4.7, because widening 4-bit values to int16 costs less than looking them
+up as float32. 15 bits per group are far below what flips a greedy choice: all 50 prompts of
+`kvgate bench engine` agree with float32 (int8 activations, simulated the same way: 46%).
+"int4-f32" keeps the float32-activation kernel, whose products are float32's up to summation
+order.
 fbgemm's dynamic int8 (`quantized.linear_dynamic`) scales far better (8.6 / 10.5 / 10.2 / 15.3 ms
 at 1 / 4 / 8 / 16 rows, cache-resident, an earlier session) but quantizes each call's activations
 with one 7-bit scale: 16 sequences decoding together agreed with float32 on 4% of the 50 prompts
