@@ -41,9 +41,10 @@ sequence's pool slot and runs steps 3-4 there on the engine's own forward pass,
 prefill, at the tokens' real positions, so fused and full prefill differ only by the reuse. The
 last prompt token is computed in the last pass, among the other computed rows, and its logits
 (`FusedPrefix.logits`) start the answer: computed alone as a decode step, it went through the
-int4 kernel with bfloat16 activations where a prefill's rows go through the float32 weights
-(`quant.DENSE_FROM_TOKENS`), which moved its logits by up to ~0.4 and alone made share 1.0 agree
-with a full prefill on 0.88 of the bench's answers. `fill` runs whole, not cut into chunks like a
+int4 kernel with bfloat16 activations where a prefill's rows then went through the float32
+weights, which moved its logits by up to ~0.4 and alone made share 1.0 agree with a full prefill
+on 0.88 of the bench's answers. (Every row now goes through kvgate's kernels, each row's products
+independent of the others.) `fill` runs whole, not cut into chunks like a
 prefill: sequences decoding beside it wait for it. On the transformers forward path
 (`engine.forward_path`) there is no pool: `as_cache` fills a one-slot pool of its own with a
 float32 `LeanModel` and hands the runner a transformers cache.

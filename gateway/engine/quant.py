@@ -30,8 +30,11 @@ order.
 fbgemm's dynamic int8 (`quantized.linear_dynamic`) scales far better (8.6 / 10.5 / 10.2 / 15.3 ms
 at 1 / 4 / 8 / 16 rows, cache-resident, an earlier session) but quantizes each call's activations
 with one 7-bit scale: 16 sequences decoding together agreed with float32 on 4% of the 50 prompts
-(next-token KL 0.15), so it is not used. From `DENSE_FROM_TOKENS` rows on (a prefill chunk) the
-float32 matrices win, so a layer keeps both when the float32 model is loaded anyway.
+(next-token KL 0.15), so it is not used. kvgate's kernels also run prefill chunks: torch's float32
+GEMM (MKL, whose kernels on this AMD CPU are AVX2) took 548 ms for 256 rows through the 30 layers,
+the float32-activation kernel 287 and the int16 one 208. Only torch's int4 kernel hands a chunk of
+`DENSE_FROM_TOKENS` rows or more to the float32 matrices, which a layer keeps when the float32
+model is loaded anyway.
 
 The vocabulary head ships as Q8_0 (8-bit values and a float16 scale per 32): where the 4-bit
 packing cannot hold a matrix exactly and Q8_0 can, kvgate's kernel holds it as Q8_0 (`pack_q8`),
@@ -45,7 +48,7 @@ import torch
 from gateway.engine import kernels
 
 GROUP = 32
-DENSE_FROM_TOKENS = 32  # from this many rows on, a dense float32 GEMM beats the int4 kernels
+DENSE_FROM_TOKENS = 32  # from this many rows on, a dense float32 GEMM beats torch's int4 kernel (not kvgate's)
 BLOCK_BYTES = 48  # kernels.c: two groups of one output row, 32 bytes of 4-bit values, then d0, m0, d1, m1
 
 
@@ -61,7 +64,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, fmt: str) -> None:
         self.out_features, self.in_features = weight.shape
-        self.dense: torch.Tensor | None = weight if fmt in ("float32", "int4", "int4-torch") else None
+        self.dense: torch.Tensor | None = weight if fmt in ("float32", "int4", "int4-f32", "int4-torch") else None
         self.half: torch.Tensor | None = None
         self.q4: torch.Tensor | None = None  # kvgate's kernel: 4-bit blocks ...
         self.q8: torch.Tensor | None = None  # ... or, for a matrix that ships as Q8_0, 8-bit ones
@@ -93,8 +96,9 @@ class Linear:
 
     def exact_for(self, num_rows: int) -> bool:
         """Whether `num_rows` rows at once go through the float32 weights."""
-        return self.dense is not None and self.half is None and (
-            (self.packed is None and self.q4 is None and self.q8 is None) or num_rows >= DENSE_FROM_TOKENS)
+        if self.dense is None or self.half is not None or self.q4 is not None or self.q8 is not None:
+            return False  # kvgate's kernels beat torch's float32 GEMM here at every row count
+        return self.packed is None or num_rows >= DENSE_FROM_TOKENS
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """`threads`: how many threads kvgate's kernel splits the product over (torch's count if None)."""
