@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -49,12 +50,27 @@ def torch_on_one_thread() -> Iterator[int]:
     """torch on one thread inside the block, its thread count restored after it; yields that count
     (the threads the caller may run on its own). torch's idle OpenMP threads spin between its
     operators; while kvgate's kernels run threads of their own (`engine/kernels.py`), they would
-    spin on the same cores (measured: a 2-thread decode step 13.4 ms with them, 5.6 ms without)."""
+    spin on the same cores (measured: a 2-thread decode step 13.4 ms with them, 5.6 ms without).
+    The count is process-wide: blocks on several threads at once (the model thread, a KV Fuse on
+    the restore thread) share one saved count, restored when the last of them leaves."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    global _one_thread_blocks, _threads_before
+    with _one_thread_lock:
+        if not _one_thread_blocks:
+            _threads_before = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _one_thread_blocks += 1
+        threads = _threads_before
     try:
         yield threads
     finally:
-        torch.set_num_threads(threads)
+        with _one_thread_lock:
+            _one_thread_blocks -= 1
+            if not _one_thread_blocks:
+                torch.set_num_threads(_threads_before)
+
+
+_one_thread_lock = threading.Lock()
+_one_thread_blocks = 0  # torch_on_one_thread blocks open now
+_threads_before = 1  # torch's thread count when the first of them opened

@@ -8,14 +8,17 @@ AVX-512F; `library()` is None elsewhere, and the engine keeps its torch path (`l
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+
+from gateway.runtime import torch_on_one_thread
 
 if TYPE_CHECKING:
     from gateway.engine.kvpool import KVPool
@@ -33,6 +36,29 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("dim", _I), ("inter", _I), ("capacity", _I),
                 ("act16", _I), ("eps", ctypes.c_float)]
+
+
+_own = threading.local()
+
+
+@contextlib.contextmanager
+def own_threads() -> Iterator[int]:
+    """Inside the block, torch on one thread (`runtime.torch_on_one_thread`) and kvgate's kernels on
+    as many as torch had (`threads()`): for a forward pass whose matrix products are the kernels'
+    and whose other operators are torch's."""
+    with torch_on_one_thread() as count:
+        before = getattr(_own, "count", None)
+        _own.count = count
+        try:
+            yield count
+        finally:
+            _own.count = before
+
+
+def threads() -> int:
+    """How many threads a product of kvgate's kernels splits over: inside `own_threads`, the count
+    torch had; else torch's own."""
+    return getattr(_own, "count", None) or torch.get_num_threads()
 
 
 @functools.cache

@@ -115,7 +115,7 @@ class Linear:
                 matmul, blocks = (lib.q4_matmul, self.q4) if self.q4 is not None else (lib.q8_matmul, self.q8)
             assert blocks is not None
             matmul(x.data_ptr(), x.shape[0], self.in_features, blocks.data_ptr(), y.data_ptr(), self.out_features,
-                   threads or torch.get_num_threads())
+                   threads or kernels.threads())
             return y
         if self.packed is not None:
             assert self.scale_zero is not None
