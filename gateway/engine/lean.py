@@ -143,7 +143,7 @@ class LeanModel:
 
     def _threads(self) -> contextlib.AbstractContextManager[Any]:
         """Where kvgate's kernels compute the products, they run the threads (`kernels.own_threads`):
-        a 256-token prefill at two threads took 1.6x as long as at one while torch's idle threads
+        a 256-token prefill at two threads took 1.4x as long as at one while torch's idle threads
         spun beside the kernels' own."""
         return own_threads() if self.head.q4 is not None or self.head.q8 is not None else contextlib.nullcontext()
 
