@@ -37,6 +37,7 @@ class InitialCache:
     num_tokens: int
     restored_from: list[str] = field(default_factory=list)
     fused: FusedPrefix | None = None  # set when marked chunks were fused into it (KV Fuse)
+    blocks: LoadedPrefix | None = None  # a restored prefix not assembled into `cache`: the pool copies its blocks
 
 
 def into_pool(initial: InitialCache, pool: KVPool, fuser: Fuser | None) -> tuple[int, Callable[[int], None] | None]:
@@ -50,6 +51,9 @@ def into_pool(initial: InitialCache, pool: KVPool, fuser: Fuser | None) -> tuple
                 raise ValueError("a fused prefix to fill, and no fuser")
             fuser.fill(initial.fused, pool, slot)
             return slot, None
+        if initial.blocks is not None:
+            pool.load_blocks(slot, initial.blocks.blocks, initial.num_tokens)
+            return slot, None
         return slot, pool.load_cache(slot, initial.cache, initial.num_tokens)
     except BaseException:
         pool.free(slot)
@@ -58,10 +62,12 @@ def into_pool(initial: InitialCache, pool: KVPool, fuser: Fuser | None) -> tuple
 
 def restore_prefix(loaded: LoadedModel, kv: KVCacheManager, salt: str, prompt_ids: Sequence[int], empty: Cache, *,
                    writer: WriteBehindQueue | None, read_wait_s: float, loader: ThreadPoolExecutor,
-                   layerwise_from: int | None) -> InitialCache:
+                   layerwise_from: int | None, assemble: bool = True) -> InitialCache:
     """The longest restorable prefix of `prompt_ids[:-1]` (the last prompt token is always
     recomputed: its logits start the answer); `empty` when nothing is cached. From
-    `layerwise_from` tokens on (None: never) the layers arrive while the forward pass runs."""
+    `layerwise_from` tokens on (None: never) the layers arrive while the forward pass runs. Else,
+    without `assemble` (a KV pool takes it: `into_pool`), the blocks are handed on as loaded,
+    not concatenated into a cache first."""
     block_size = kv.keyer.block_size
     usable = (len(prompt_ids) - 1) // block_size * block_size
     if usable == 0:
@@ -81,6 +87,8 @@ def restore_prefix(loaded: LoadedModel, kv: KVCacheManager, salt: str, prompt_id
     tiers = found.tiers[: prefix.num_tokens // block_size]
     if layerwise_from is not None and prefix.num_tokens >= layerwise_from:
         return InitialCache(_layerwise(loaded, prefix, loader), prefix.num_tokens, tiers)
+    if not assemble:
+        return InitialCache(empty, prefix.num_tokens, tiers, blocks=prefix)
     stacked = prefix.kv()
     assert stacked is not None
     device = loaded.device

@@ -136,7 +136,8 @@ class ModelRunner:
             return InitialCache(self.empty_cache(), 0)
         return restore_prefix(self.loaded, self.kv, gen.salt, gen.prompt_ids, self.empty_cache(), writer=self.writer,
                               read_wait_s=self.read_wait_s, loader=self._loader,
-                              layerwise_from=self.layerwise_min_tokens if layerwise else None)
+                              layerwise_from=self.layerwise_min_tokens if layerwise else None,
+                              assemble=self.pool is None)
 
     # ------------------------------------------------------------------ sequences
 

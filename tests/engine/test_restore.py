@@ -168,3 +168,29 @@ def test_next_turn_hits_the_previous_answer(
     follow_ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     follow = runner.run(Generation(follow_ids, SamplingParams(max_tokens=5), salt="t"))
     assert follow.cached_tokens > len(first_ids) // 16 * 16, "the previous answer's blocks were not reused"
+
+
+def test_pool_takes_restored_blocks_as_a_concatenated_prefix_would_be() -> None:
+    """`KVPool.load_blocks` (the lean path's restore, no concatenation first) writes the same rows
+    as copying the concatenated prefix in, between other slots' rows, and refuses blocks that do
+    not add up to the positions claimed."""
+    import torch
+
+    from gateway.engine.kvpool import KVPool
+
+    layers, heads, size, dim = 3, 2, 4, 8
+    blocks = [torch.randn(layers, 2, heads, size, dim) for _ in range(5)]
+    pools = [KVPool(layers, heads, dim, torch.float32, torch.device("cpu"), num_slots=3) for _ in range(2)]
+    for pool in pools:
+        for _ in range(3):
+            pool.allocate()
+    whole = torch.cat(blocks, dim=3)
+    for i in range(layers):
+        pools[0].load_layer(1, i, whole[i, 0], whole[i, 1])
+    pools[0].lengths[1] = 20
+    pools[1].load_blocks(1, blocks, 20)
+    assert pools[1].lengths[1] == 20 and pools[1].capacity >= 20
+    for a, b in zip(pools[0].keys + pools[0].values, pools[1].keys + pools[1].values, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="are not 21 positions"):
+        pools[1].load_blocks(2, blocks, 21)
