@@ -568,7 +568,7 @@ silu_mul(const float *gate_up, int64_t inter, float *out)
 
 struct layer {
     const float *attn_norm, *mlp_norm;
-    const uint8_t *qkv, *out, *gate_up, *down; /* int4 weights as q4_matmul reads them */
+    const uint8_t *qkv, *out, *gate_up, *down; /* int4 weights as q4_matmul (or, with act16, q4_matmul16) reads them */
     float *keys, *values;                      /* this layer's pool: [slots, kv_heads, capacity, dim] */
 };
 

@@ -101,7 +101,7 @@ class Linear:
         return self.packed is None or num_rows >= DENSE_FROM_TOKENS
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        """`threads`: how many threads kvgate's kernel splits the product over (torch's count if None)."""
+        """`threads`: how many threads kvgate's kernel splits the product over (`kernels.threads()` if None)."""
         if self.exact_for(x.shape[0]):
             return torch.nn.functional.linear(x, self.dense)  # type: ignore[arg-type]
         if self.q4 is not None or self.q8 is not None:

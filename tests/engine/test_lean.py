@@ -68,6 +68,18 @@ def test_torch_int4_recovers_the_q4_1_grid_and_answers_as_float32(loaded_model: 
     assert _greedy(lean, pool, pool.allocate(), ids, 8) == _greedy(exact, other, other.allocate(), ids, 8)
 
 
+def _same_on_one_and_two_threads(linear: Linear, x: torch.Tensor) -> None:
+    """The kernel's helper threads split output rows, not sums: the same product bit for bit."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x)
+        torch.set_num_threads(2)
+        assert torch.equal(linear(x), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(library() is None, reason="kvgate's int4 kernel was not built here, or the CPU lacks AVX-512F")
 def test_q4_kernel_holds_the_q4_1_weights_exactly_and_multiplies_in_float32(
         loaded_model: LoadedModel, exact: LeanModel) -> None:
@@ -77,21 +89,14 @@ def test_q4_kernel_holds_the_q4_1_weights_exactly_and_multiplies_in_float32(
         assert int4.q4 is not None and int4.packed is None
         k = weight.shape[1]
         eye = torch.eye(k)
-        # identity rows read the held weights back, 16 rows a call (below the dense threshold)
+        # identity rows read the held weights back, 16 rows a call
         held = torch.cat([int4(eye[i : i + 16]) for i in range(0, k, 16)]).T
         assert torch.equal(held, weight)
         for rows in (1, 3, 4, 7, 31):  # every tile shape of the kernel, and its remainders
             x = torch.randn(rows, k)
             ref = (x.double() @ weight.double().T).float()
             assert ((int4(x) - ref).norm() / ref.norm()).item() < 1e-5
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            one = int4(x)
-            torch.set_num_threads(2)
-            assert torch.equal(int4(x), one)  # helper threads split output rows, not sums
-        finally:
-            torch.set_num_threads(threads)
+        _same_on_one_and_two_threads(int4, x)
 
     head = loaded_model.model.get_output_embeddings().weight.detach()  # type: ignore[operator]
     int8 = Linear(head, "int4-f32")
@@ -152,14 +157,7 @@ def test_int16_activation_kernel_holds_the_weights_and_rounds_only_the_activatio
             x = torch.randn(rows, k)
             ref = (x.double() @ weight.double().T).float()
             assert ((int4(x) - ref).norm() / ref.norm()).item() < 1e-4
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            one = int4(x)
-            torch.set_num_threads(2)
-            assert torch.equal(int4(x), one)  # helper threads split output rows, not sums
-        finally:
-            torch.set_num_threads(threads)
+        _same_on_one_and_two_threads(int4, x)
     lean = LeanModel(loaded_model.model, "int4")
     for question in QUESTIONS[:3]:
         ids = chat_ids(loaded_model, [{"role": "user", "content": question}])
