@@ -92,8 +92,8 @@ class FusionInputs:
     """What `Fuser.fill` writes and computes: the head's KV (`[L, 2, heads, num_head, head_dim]`)
     for positions [0, num_head), each loaded chunk's KV at positions 0..m-1 with the start it
     moves to, and the tokens to compute (`ids[positions]`); then, if `num_keep`, the `num_keep`
-    of the `reused` positions the question (positions from `question`) attends to most, with the
-    question again."""
+    of the `reused` positions the question (positions from `question`) attends to most, the
+    `sinks` and every position computed before, on the mended cache."""
 
     ids: torch.Tensor
     head: torch.Tensor | None
@@ -102,6 +102,7 @@ class FusionInputs:
     reused: torch.Tensor
     num_keep: int
     question: int
+    sinks: torch.Tensor  # computed in the second pass only (in the first when there is none)
 
 
 @dataclass(slots=True)
@@ -200,6 +201,7 @@ class Fuser:
         head_kv, num_head, tiers = self._head(salt, prompt_ids, first)
 
         reused = torch.zeros(n + 1, dtype=torch.bool, device=device)  # the last token: never
+        sink = torch.zeros(n + 1, dtype=torch.bool, device=device)
         chunks: list[tuple[int, torch.Tensor]] = []
         missing: list[ChunkSpan] = []
         num_loaded = 0
@@ -215,21 +217,26 @@ class Fuser:
             reused[span.start : end] = True
             # The chunk's first tokens were an attention sink on their own: always recomputed.
             reused[span.start : min(end, span.start + sinks)] = False
+            sink[span.start : min(end, span.start + sinks)] = True
             num_loaded += end - span.start
         num_reused = int(reused.sum())
         num_sinks = num_loaded - num_reused
 
         positions = torch.arange(num_head, n + 1, device=device)
         num_keep = max(0, math.ceil(share * num_loaded) - num_sinks)
+        sink_rows = positions[:0]
         if num_keep >= num_reused:  # every token is computed, in one pass
             num_keep, reused_rows, num_recomputed = 0, positions[:0], num_loaded
         else:
             reused_rows = positions[reused[num_head:]]
             positions = positions[~reused[num_head:]]
             num_recomputed = num_keep + num_sinks
+            if num_keep:  # two passes: the sinks wait for the second
+                sink_rows = positions[sink[positions]]
+                positions = positions[~sink[positions]]
         question = spans[-1].end if spans else n
         inputs = FusionInputs(torch.tensor(list(prompt_ids), dtype=torch.long, device=device), head_kv,
-                              chunks, positions, reused_rows, num_keep, question)
+                              chunks, positions, reused_rows, num_keep, question, sink_rows)
         return FusedPrefix(
             num_tokens=n + 1, inputs=inputs, num_restored=num_head, num_fused=num_loaded - num_recomputed,
             num_recomputed=num_recomputed, tiers=tiers, missing=missing,
@@ -257,9 +264,9 @@ class Fuser:
         positions = inputs.positions
         probe = Probe(inputs.question, torch.zeros(fused.num_tokens, device=pool.device)) if inputs.num_keep else None
         logits = self.lean.recompute(pool, slot, inputs.ids[positions], positions, probe)
-        if probe is not None:  # the reused rows the question reads most, and the question on them
+        if probe is not None:  # the reused rows the question reads most, the sinks, and again all of the above
             keep = inputs.reused[probe.mass[inputs.reused].topk(inputs.num_keep).indices]
-            positions = torch.cat([keep, positions[positions >= inputs.question]]).sort().values
+            positions = torch.cat([keep, inputs.sinks, positions]).sort().values
             logits = self.lean.recompute(pool, slot, inputs.ids[positions], positions)
         pool.lengths[slot] = fused.num_tokens
         fused.logits = logits
