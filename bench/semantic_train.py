@@ -160,13 +160,14 @@ class Examples:
     query: list[int]
     language: list[str]  # per query
     label: list[int]  # per query
+    texts: list[tuple[str, str]]  # per candidate: the question asked, the stored question
 
 
 def retrieval_examples(groups: list[tuple[list[Pair], list[str]]], vectors: dict[str, np.ndarray],
                        dups: Duplicates, head_of: Callable[[Pair], PairHead] | None = None) -> Examples:
     import faiss
 
-    out = Examples([], [], [], [], [], [])
+    out = Examples([], [], [], [], [], [], [])
     for pairs, fillers in groups:
         texts = [p.a for p in pairs] + [t for t in fillers if t not in {p.a for p in pairs}]
         index = faiss.IndexFlatIP(len(vectors[texts[0]]))
@@ -187,6 +188,7 @@ def retrieval_examples(groups: list[tuple[list[Pair], list[str]]], vectors: dict
                 if head_of is not None:
                     features = np.append(features, np.float32(head_of(pair).logit(vectors[pair.b], vectors[cached])))
                 out.features.append(features)
+                out.texts.append((pair.b, cached))
                 out.own.append(pair.label == 1 and cached == pair.a)
                 out.right.append(dups.right(pair, cached))
                 out.query.append(number)
