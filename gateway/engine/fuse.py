@@ -12,21 +12,32 @@ For a prompt with chunks at new positions:
    is computed at its real position, attending to the re-positioned chunks; on this pass the
    attention that the question (the tokens after the last chunk) pays to each reused row is
    summed over layers and heads;
-4. the `recompute_share` of reused tokens the question attends to most are computed, with the
-   question again, in a second pass: their fresh K/V overwrite the reused rows, the question's
-   rows and the last token's logits are computed on the mended cache.
+4. the `recompute_share` of reused tokens the question attends to most are computed in a second
+   pass, together with each chunk's sink tokens (below) and again the tokens of step 3 outside
+   chunks: their fresh K/V overwrite the reused rows, and the text between chunks, the question
+   and the last token's logits are computed on the mended cache. A new chunk's tokens are computed
+   once, in step 3 (computing them again doubled their cost: TTFT with one new passage at ~2k went
+   from 0.33x to 0.49x a full prefill). (Until this round the second pass
+   took only the question: the rows step 3 computed against out-of-context chunk KV kept that KV,
+   and fused answers stopped nearing a full prefill's past share 0.5. On the fuse bench's first 12
+   prompts at ~2k, share 0.8 / 0.95 / 0.99 all gave next-token KL 0.0027-0.0028 and agreement
+   0.83; recomputing step 3 again, 0.99 gives KL 0.00000 and agreement 1.0, and 0.5 gives KL
+   0.0006 against 0.0032.)
 
 The selection is by what the answer reads, not by how far a token's KV moved (CacheBlend's
 layer-1 deviation, the previous method): a reused row's error matters in proportion to the
 attention paid to it. On 20 SQuAD prompts of ~2k tokens at share 0.15 (`bench/fuse.py`'s), the
 first answer token's KL against a full prefill is 0.012 with the question's attention, 0.015
 picking the rows whose KV truly deviates most from a full prefill (an oracle), 0.021 with
-CacheBlend's layer-1 V deviation; and the question's second pass (about 2% of the tokens) costs
-less than recomputing every token's first two layers to find the deviation (7% of a prefill).
+CacheBlend's layer-1 V deviation; and the first pass (the question and the text between chunks,
+a few % of the tokens) costs less than recomputing every token's first two layers to find the
+deviation (7% of a prefill).
 
-Before step 3, the first `sink_tokens` of each reused chunk are taken out of the reused set and
-recomputed like new text (EPIC, Hu et al., ICML '25): computed on its own, a chunk's first token is
-an attention sink. Measured on `bench/rag_prompts.py` (4 chunks of ~520 tokens, SmolLM2, fp32),
+The first `sink_tokens` of each reused chunk are taken out of the reused set and recomputed like
+new text (EPIC, Hu et al., ICML '25): computed on its own, a chunk's first token is an attention
+sink. With two passes they are computed in the second only (the first reads their chunk KV),
+which measured the same as computing them in both (12 prompts, share 0.15: KL 0.0062 against
+0.0064, the same answers) for less work. Measured on `bench/rag_prompts.py` (4 chunks of ~520 tokens, SmolLM2, fp32),
 relative V deviation from a full prefill at a later chunk's first token is 0.78 at layer 1 and ~1.0
 from layer 5 on, 0.2-0.9 on its next 3 tokens, 0.04-0.5 on the rest (growing with depth); layer-0
 K after re-rotation matches a full prefill exactly (0.000), so the positions are right. Recomputing
@@ -92,8 +103,8 @@ class FusionInputs:
     """What `Fuser.fill` writes and computes: the head's KV (`[L, 2, heads, num_head, head_dim]`)
     for positions [0, num_head), each loaded chunk's KV at positions 0..m-1 with the start it
     moves to, and the tokens to compute (`ids[positions]`); then, if `num_keep`, the `num_keep`
-    of the `reused` positions the question (positions from `question`) attends to most, the
-    `sinks` and every position computed before, on the mended cache."""
+    of the `reused` positions the question (positions from `question`) attends to most, with
+    `again`: the chunks' sink tokens and the first pass's positions outside chunks."""
 
     ids: torch.Tensor
     head: torch.Tensor | None
@@ -102,7 +113,7 @@ class FusionInputs:
     reused: torch.Tensor
     num_keep: int
     question: int
-    sinks: torch.Tensor  # computed in the second pass only (in the first when there is none)
+    again: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -202,10 +213,12 @@ class Fuser:
 
         reused = torch.zeros(n + 1, dtype=torch.bool, device=device)  # the last token: never
         sink = torch.zeros(n + 1, dtype=torch.bool, device=device)
+        in_chunk = torch.zeros(n + 1, dtype=torch.bool, device=device)
         chunks: list[tuple[int, torch.Tensor]] = []
         missing: list[ChunkSpan] = []
         num_loaded = 0
         for span in spans:
+            in_chunk[span.start : span.end] = True
             chunk = self.chunks.load(salt, prompt_ids[span.start : span.end])
             if chunk.num_tokens < span.end - span.start:
                 missing.append(span)
@@ -224,19 +237,19 @@ class Fuser:
 
         positions = torch.arange(num_head, n + 1, device=device)
         num_keep = max(0, math.ceil(share * num_loaded) - num_sinks)
-        sink_rows = positions[:0]
+        again = positions[:0]
         if num_keep >= num_reused:  # every token is computed, in one pass
             num_keep, reused_rows, num_recomputed = 0, positions[:0], num_loaded
         else:
             reused_rows = positions[reused[num_head:]]
             positions = positions[~reused[num_head:]]
             num_recomputed = num_keep + num_sinks
-            if num_keep:  # two passes: the sinks wait for the second
-                sink_rows = positions[sink[positions]]
+            if num_keep:  # two passes: the sinks wait for the second, text outside chunks is computed in both
+                again = positions[sink[positions] | ~in_chunk[positions]]
                 positions = positions[~sink[positions]]
         question = spans[-1].end if spans else n
         inputs = FusionInputs(torch.tensor(list(prompt_ids), dtype=torch.long, device=device), head_kv,
-                              chunks, positions, reused_rows, num_keep, question, sink_rows)
+                              chunks, positions, reused_rows, num_keep, question, again)
         return FusedPrefix(
             num_tokens=n + 1, inputs=inputs, num_restored=num_head, num_fused=num_loaded - num_recomputed,
             num_recomputed=num_recomputed, tiers=tiers, missing=missing,
@@ -264,9 +277,9 @@ class Fuser:
         positions = inputs.positions
         probe = Probe(inputs.question, torch.zeros(fused.num_tokens, device=pool.device)) if inputs.num_keep else None
         logits = self.lean.recompute(pool, slot, inputs.ids[positions], positions, probe)
-        if probe is not None:  # the reused rows the question reads most, the sinks, and again all of the above
+        if probe is not None:  # the reused rows the question reads most, the sinks, the text outside chunks
             keep = inputs.reused[probe.mass[inputs.reused].topk(inputs.num_keep).indices]
-            positions = torch.cat([keep, inputs.sinks, positions]).sort().values
+            positions = torch.cat([keep, inputs.again]).sort().values
             logits = self.lean.recompute(pool, slot, inputs.ids[positions], positions)
         pool.lengths[slot] = fused.num_tokens
         fused.logits = logits

@@ -218,7 +218,8 @@ def test_selection_recomputes_the_reused_tokens_the_question_reads_most(
 ) -> None:
     """Past a first pass over every token that is not reused (which also measures the attention
     the question pays to each row), only the `num_keep` reused tokens the question attends to most
-    are recomputed, with the question again; every other reused row keeps the chunk's own KV."""
+    are recomputed, with the first pass's tokens again; every other reused row keeps the chunk's
+    own KV."""
     runner = make_runner(fuse_share=0.0, host_capacity_bytes=1 << 30)
     assert runner.pool is not None and runner.fuser is not None and runner.lean is not None
     run(runner, *rag_ids(loaded_model, "ABC"))
@@ -241,6 +242,31 @@ def test_selection_recomputes_the_reused_tokens_the_question_reads_most(
     runner.lean.recompute(runner.pool, first, torch.tensor(ids)[positions], positions, probe)
     mass = torch.cat([probe.mass[s.start : s.end] for s in spans])
     assert set(kept.tolist()) == set(torch.topk(mass, len(kept)).indices.tolist())
+
+
+def test_the_second_pass_recomputes_the_first_on_the_mended_cache(
+    loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
+) -> None:
+    """The first pass computes the joins between chunks and the question against chunk KV
+    computed out of context. The second recomputes them, and each chunk's sink tokens, after the
+    chosen reused rows, so that with all reused rows but one chosen, the whole prompt is nearly a
+    full prefill's: the later chunks' sink rows and the last token's logits (when only the question
+    was computed again, the sinks and joins kept their first-pass KV and a share just below 1.0 sat
+    as far from a full prefill as 0.8)."""
+    runner = make_runner(fuse_share=0.0, host_capacity_bytes=1 << 30)
+    assert runner.pool is not None
+    run(runner, *rag_ids(loaded_model, "ABC"))
+    ids, spans = rag_ids(loaded_model, "CAB")
+    plain, plain_logits = plain_slot(runner, ids)
+    loaded = sum(s.end - s.start for s in spans)
+    slot, fused, logits = fused_slot(runner, ids, spans, share=(loaded - 1) / loaded, sinks=4)
+    assert fused.num_fused == 1  # one reused row keeps its chunk's own KV
+    last = runner.pool.values[-1]
+    sinks = torch.cat([torch.arange(s.start, s.start + 4) for s in spans[1:]])
+    scale = float(last[plain, :, sinks].abs().max())
+    assert float((last[slot, :, sinks] - last[plain, :, sinks]).abs().max()) < 0.02 * scale
+    assert float((logits - plain_logits).abs().max()) < 0.05 * float(plain_logits.abs().max())
+    assert int(logits.argmax()) == int(plain_logits.argmax())
 
 
 def test_reordered_chunks_are_fused_and_counted_as_cached(
