@@ -16,8 +16,8 @@ For a prompt with chunks at new positions:
    pass, together with each chunk's sink tokens (below) and again the tokens of step 3 outside
    chunks: their fresh K/V overwrite the reused rows, and the text between chunks, the question
    and the last token's logits are computed on the mended cache. A new chunk's tokens are computed
-   once, in step 3 (computing them again doubled their cost: TTFT with one new passage at ~2k went
-   from 0.33x to 0.49x a full prefill). (Until this round the second pass
+   once, in step 3 (computing them again too gave TTFT with one new passage of 0.49x a full
+   prefill at ~2k and 0.42x at ~4k, against 0.35x and 0.33x computing them once). (Until this round the second pass
    took only the question: the rows step 3 computed against out-of-context chunk KV kept that KV,
    and fused answers stopped nearing a full prefill's past share 0.5. On the fuse bench's first 12
    prompts at ~2k, share 0.8 / 0.95 / 0.99 all gave next-token KL 0.0027-0.0028 and agreement
