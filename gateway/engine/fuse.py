@@ -17,12 +17,13 @@ For a prompt with chunks at new positions:
    chunks: their fresh K/V overwrite the reused rows, and the text between chunks, the question
    and the last token's logits are computed on the mended cache. A new chunk's tokens are computed
    once, in step 3 (computing them again too gave TTFT with one new passage of 0.49x a full
-   prefill at ~2k and 0.42x at ~4k, against 0.35x and 0.33x computing them once). (Until this round the second pass
+   prefill at ~2k and 0.42x at ~4k, against 0.35x and 0.33x computing them once).
+   Until this round the second pass
    took only the question: the rows step 3 computed against out-of-context chunk KV kept that KV,
    and fused answers stopped nearing a full prefill's past share 0.5. On the fuse bench's first 12
    prompts at ~2k, share 0.8 / 0.95 / 0.99 all gave next-token KL 0.0027-0.0028 and agreement
    0.83; recomputing step 3 again, 0.99 gives KL 0.00000 and agreement 1.0, and 0.5 gives KL
-   0.0006 against 0.0032.)
+   0.0006 against 0.0032.
 
 The selection is by what the answer reads, not by how far a token's KV moved (CacheBlend's
 layer-1 deviation, the previous method): a reused row's error matters in proportion to the
@@ -35,14 +36,14 @@ deviation (7% of a prefill).
 
 The first `sink_tokens` of each reused chunk are taken out of the reused set and recomputed like
 new text (EPIC, Hu et al., ICML '25): computed on its own, a chunk's first token is an attention
-sink. With two passes they are computed in the second only (the first reads their chunk KV),
-which measured the same as computing them in both (12 prompts, share 0.15: KL 0.0062 against
-0.0064, the same answers) for less work. Measured on `bench/rag_prompts.py` (4 chunks of ~520 tokens, SmolLM2, fp32),
-relative V deviation from a full prefill at a later chunk's first token is 0.78 at layer 1 and ~1.0
-from layer 5 on, 0.2-0.9 on its next 3 tokens, 0.04-0.5 on the rest (growing with depth); layer-0
-K after re-rotation matches a full prefill exactly (0.000), so the positions are right. Recomputing
-16 tokens per chunk brings the question tokens' last-layer V deviation from 0.33 to 0.22. They
-count towards the share: `recompute_share` of the loaded chunk tokens, sinks first.
+sink. With two passes they are computed in the second only (the first reads their chunk KV), which
+measured the same as computing them in both (12 prompts, share 0.15: KL 0.0062 against 0.0064, the
+same answers) for less work. Measured on `bench/rag_prompts.py` (4 chunks of ~520 tokens, SmolLM2,
+fp32), relative V deviation from a full prefill at a later chunk's first token is 0.78 at layer 1
+and ~1.0 from layer 5 on, 0.2-0.9 on its next 3 tokens, 0.04-0.5 on the rest (growing with depth);
+layer-0 K after re-rotation matches a full prefill exactly (0.000), so the positions are right.
+Recomputing 16 tokens per chunk brings the question tokens' last-layer V deviation from 0.33 to
+0.22. They count towards the share: `recompute_share` of the loaded chunk tokens, sinks first.
 
 What runs where. `prepare` (on the scheduler's restore thread, beside the running batch) does the
 lookups and loads: the head's blocks, each chunk's KV, which tokens to compute. `fill` (on the
