@@ -136,6 +136,22 @@ def test_share_one_gives_the_full_prefill_answer(
     assert runner.fuser.prepare(ids, spans, "tenant-a", recompute_share=0.0).num_fused > 0
 
 
+def test_a_request_with_nothing_to_reuse_is_a_plain_prefill(
+    loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
+) -> None:
+    """Marked for fusion with no chunk cached yet, a request is prefilled as a plain one (a step at
+    a time beside decodes, not in one fused pass): a full prefill's answer, its prompt stored as
+    exact prefix blocks, and its chunks stored for the next request to fuse."""
+    runner = make_runner(fuse_share=0.15, host_capacity_bytes=1 << 30)
+    ids, spans = rag_ids(loaded_model, "ABC")
+    first = run(runner, ids, spans)
+    assert first.fused_tokens == 0 and first.text == full_prefill(loaded_model, ids).text
+    assert first.cache_creation_tokens == len(ids) // 16 * 16
+    again = runner.run(Generation(ids, SamplingParams(max_tokens=12), salt="tenant-a"))
+    assert again.cached_tokens == (len(ids) - 1) // 16 * 16 and again.text == first.text
+    assert run(runner, *rag_ids(loaded_model, "CAB")).fused_tokens > 0
+
+
 @pytest.mark.parametrize("cached", [False, True])
 def test_fill_recomputing_every_token_is_a_plain_prefill(
     cached: bool, loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
