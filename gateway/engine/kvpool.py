@@ -10,8 +10,10 @@ Why slots and not pages: attention over pages needs a gather (a copy of every se
 layer per step) or a paged kernel, which torch on CPU does not have. A slot wastes the capacity
 beyond its own length, so capacity grows by doubling with the longest sequence (a copy of the
 pool, rare) and starts small. The cost: while one long sequence runs, every slot has its length
-(16 slots x 8,192 positions of SmolLM2 in float32 is 6 GB); a pool past `SHRINK_FROM_BYTES` goes
-back to its first size whenever it empties.
+(16 slots x 8,192 positions of SmolLM2 in float32 is 6 GB); a pool past `SHRINK_FROM_BYTES` shrinks
+whenever it empties: to one slot of the capacity it had where that fits under the limit (so the next
+long prompt alone finds its room: growing 4 slots to 8,192 positions took 1.3-2.2 s here, paid by
+every ~4k-token request when the pool went back to its first size), else to its first size.
 
 Restored prefixes (tiers) arrive through `load_cache`, KV Fuse writes its head and re-rotated
 chunks through `place` (then recomputes rows in place), stores copy out through `read`; the pool
@@ -86,8 +88,10 @@ class KVPool:
         self.used[slot] = False
         self.lengths[slot] = 0
         if not any(self.used) and self.nbytes > SHRINK_FROM_BYTES:
+            one_slot = self.nbytes // len(self.used)
+            capacity = self.capacity
             self.keys, self.values, self.lengths, self.used = [], [], [], []
-            self._resize(*self._initial)
+            self._resize(*((1, capacity) if one_slot <= SHRINK_FROM_BYTES else self._initial))
 
     def reserve(self, length: int) -> None:
         """Make room for `length` positions in every slot."""

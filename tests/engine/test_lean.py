@@ -241,3 +241,19 @@ def test_an_emptied_pool_past_its_limit_goes_back_to_its_first_size(monkeypatch:
     assert pool.capacity == 128, "a slot still in use keeps the pool as it is"
     pool.free(second)
     assert (len(pool.used), pool.capacity, pool.num_used) == (1, 8, 0)
+
+
+def test_an_emptied_pool_keeps_one_slot_of_its_capacity_where_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next long prompt alone then finds its room without growing the pool again."""
+    pool = KVPool(2, 1, 4, torch.float32, torch.device("cpu"), num_slots=4, capacity=8)
+    slots = [pool.allocate() for _ in range(4)]
+    pool.reserve(100)
+    one_slot = pool.nbytes // 4
+    monkeypatch.setattr(kvpool, "SHRINK_FROM_BYTES", one_slot)
+    for slot in slots:
+        pool.free(slot)
+    assert (len(pool.used), pool.capacity, pool.num_used, pool.nbytes) == (1, 128, 0, one_slot)
+    keys = pool.keys[0]
+    pool.allocate()
+    pool.reserve(100)
+    assert pool.keys[0] is keys, "no resize"
