@@ -12,8 +12,9 @@ beyond its own length, so capacity grows by doubling with the longest sequence (
 pool, rare) and starts small. The cost: while one long sequence runs, every slot has its length
 (16 slots x 8,192 positions of SmolLM2 in float32 is 6 GB); a pool past `SHRINK_FROM_BYTES` shrinks
 whenever it empties: to one slot of the capacity it had where that fits under the limit (so the next
-long prompt alone finds its room: growing 4 slots to 8,192 positions took 1.3-2.2 s here, paid by
-every ~4k-token request when the pool went back to its first size), else to its first size.
+long prompt alone finds its room, where going back to the first size made every ~4k-token request
+grow it again: 0.2 s of a fused request's 3.4-4.1 s at ~4k, 1.3-2.2 s in a fresh process), else
+to its first size.
 
 Restored prefixes (tiers) arrive through `load_cache`, KV Fuse writes its head and re-rotated
 chunks through `place` (then recomputes rows in place), stores copy out through `read`; the pool
