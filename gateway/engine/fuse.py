@@ -5,7 +5,9 @@ before it. Fusion, after CacheBlend (Yao et al., EuroSys '25), keys each marked 
 content and keeps its KV as computed on its own, at positions 0..n-1 (`kvcache/chunks.py`).
 For a prompt with chunks at new positions:
 
-1. the head before the first chunk comes from the prefix cache, exactly as without fusion;
+1. the head comes from the prefix cache, exactly as without fusion, up to the first chunk it does
+   not hold whole: chunks it holds (the same documents in the same order as a stored prompt) are
+   restored exactly with it, and where it holds them all there is nothing to fuse;
 2. each cached chunk's K is re-rotated from positions 0..n-1 to its new start s (RoPE composes:
    R(p + s) = R(s) R(p), so one rotation by s moves the whole chunk), V is used as stored;
 3. every token that is not reused (the text between chunks, the question, chunks not yet cached)
@@ -89,6 +91,7 @@ from gateway.kvcache.blocks import stack_layers
 from gateway.kvcache.chunks import ChunkStore
 from gateway.kvcache.errors import KVCacheError
 from gateway.kvcache.manager import KVCacheManager
+from gateway.kvcache.reader import LookupResult
 
 
 @dataclass(slots=True, frozen=True)
@@ -177,23 +180,34 @@ class Fuser:
 
     # ------------------------------------------------------------------ prepare (restore thread)
 
-    def _head(self, salt: str, prompt_ids: Sequence[int], end: int) -> tuple[torch.Tensor | None, int, list[str]]:
-        """The prefix-cached part of prompt_ids[:end]: `[L, 2, H, n, D]`, n, tiers."""
+    def _head(self, salt: str, prompt_ids: Sequence[int],
+              spans: Sequence[ChunkSpan]) -> tuple[torch.Tensor | None, int, list[str], bool]:
+        """The prefix-cached part of prompt_ids[:-1] up to the first chunk it does not hold whole
+        (those it holds are restored exactly with it, as a repeated prompt's are): `[L, 2, H, n,
+        D]`, n, tiers, and whether it holds every chunk (then nothing is loaded: nothing to fuse)."""
         size = self.kv.keyer.block_size
-        usable = end // size * size
+        usable = (len(prompt_ids) - 1) // size * size
         if usable == 0:
-            return None, 0, []
+            return None, 0, [], not spans
         try:
             found = self.kv.lookup(salt, prompt_ids[:usable], pin=True)
             try:
-                prefix = self.kv.load(found) if found.num_tokens else None
+                end = found.num_tokens
+                cut = next((span.start for span in spans if span.end > end), None)
+                if cut is None:
+                    return None, end, found.tiers, True
+                blocks = min(end, cut) // size
+                if blocks == 0:
+                    return None, 0, [], False
+                part = LookupResult(blocks * size, found.block_hashes[:blocks], found.tiers[:blocks])
+                prefix = self.kv.load(part)
             finally:
                 self.kv.release(found)
         except KVCacheError:
-            return None, 0, []
-        if prefix is None or prefix.num_tokens == 0:
-            return None, 0, []
-        return prefix.kv(), prefix.num_tokens, found.tiers[: prefix.num_tokens // size]
+            return None, 0, [], False
+        if prefix.num_tokens == 0:
+            return None, 0, [], False
+        return prefix.kv(), prefix.num_tokens, found.tiers[: prefix.num_tokens // size], False
 
     @torch.inference_mode()
     def prepare(self, prompt_ids: Sequence[int], spans: Sequence[ChunkSpan], salt: str,
@@ -209,8 +223,10 @@ class Fuser:
         for before, after in itertools.pairwise(spans):
             if after.start < before.end:
                 raise ValueError("chunk spans overlap")
-        first = spans[0].start if spans else n
-        head_kv, num_head, tiers = self._head(salt, prompt_ids, first)
+        head_kv, num_head, tiers, whole = self._head(salt, prompt_ids, spans)
+        if whole:  # the prefix cache holds every chunk exactly (a repeated prompt): nothing to fuse
+            return FusedPrefix(num_tokens=n + 1)
+        spans = [span for span in spans if span.end > num_head]
 
         reused = torch.zeros(n + 1, dtype=torch.bool, device=device)  # the last token: never
         sink = torch.zeros(n + 1, dtype=torch.bool, device=device)

@@ -133,6 +133,7 @@ def test_share_one_gives_the_full_prefill_answer(
         assert fused.fused_tokens == 0  # every reused token was recomputed
     # The chunks were stored all the same, for requests at a lower share.
     assert runner.fuser is not None
+    ids, spans = rag_ids(loaded_model, "EAB")
     assert runner.fuser.prepare(ids, spans, "tenant-a", recompute_share=0.0).num_fused > 0
 
 
@@ -152,6 +153,21 @@ def test_a_request_with_nothing_to_reuse_is_a_plain_prefill(
     assert run(runner, *rag_ids(loaded_model, "CAB")).fused_tokens > 0
 
 
+def test_a_repeated_prompt_is_restored_exactly_not_fused(
+    loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
+) -> None:
+    """Where the prefix cache holds a prompt's chunks exactly (the same documents in the same
+    order), they are restored with it, not approximated."""
+    runner = make_runner(fuse_share=0.15, host_capacity_bytes=1 << 30)
+    ids, spans = rag_ids(loaded_model, "ABC")
+    first = run(runner, ids, spans)
+    again = run(runner, ids, spans)
+    assert again.fused_tokens == 0 and again.cached_tokens == (len(ids) - 1) // 16 * 16
+    assert again.text == first.text
+    reordered = run(runner, *rag_ids(loaded_model, "BCA"))
+    assert reordered.fused_tokens > 0
+
+
 @pytest.mark.parametrize("cached", [False, True])
 def test_fill_recomputing_every_token_is_a_plain_prefill(
     cached: bool, loaded_model: LoadedModel, make_runner: Callable[..., ModelRunner]
@@ -163,8 +179,7 @@ def test_fill_recomputing_every_token_is_a_plain_prefill(
     assert runner.pool is not None
     ids, spans = rag_ids(loaded_model, "CAB")
     if cached:
-        run(runner, *rag_ids(loaded_model, "ABC"))  # stores the chunks
-        runner.run(Generation(ids, SamplingParams(max_tokens=1), salt="tenant-a"))  # and the head as prefix blocks
+        run(runner, *rag_ids(loaded_model, "ABC"))  # a plain prefill: stores the chunks, and the head as prefix blocks
     plain, plain_logits = plain_slot(runner, ids)
     slot, fused, logits = fused_slot(runner, ids, spans, share=1.0)
     assert (fused.num_restored > 0 and fused.num_recomputed > 0) is cached
