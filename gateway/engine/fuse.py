@@ -87,7 +87,7 @@ from transformers.cache_utils import DynamicCache
 from gateway.engine.kvpool import KVPool
 from gateway.engine.lean import Feed, LeanModel, Probe, supports
 from gateway.engine.model import LoadedModel
-from gateway.kvcache.blocks import stack_layers
+from gateway.kvcache.blocks import LoadedPrefix, stack_layers
 from gateway.kvcache.chunks import ChunkStore
 from gateway.kvcache.errors import KVCacheError
 from gateway.kvcache.manager import KVCacheManager
@@ -127,7 +127,9 @@ class FusedPrefix:
 
     `num_restored` head tokens came from the prefix cache and `num_fused` chunk tokens from the
     chunk cache without being recomputed; `missing` are the chunks to compute on their own and
-    store after the answer. `inputs` is dropped once filled.
+    store after the answer. `inputs` is dropped once filled. Where nothing is reused (`num_fused`
+    0: no chunk cached, or all of them held exactly by the prefix cache), `exact` is the prefix
+    `prepare` loaded, for the runner to restore as it is and prefill the rest plainly.
     """
 
     num_tokens: int
@@ -138,6 +140,7 @@ class FusedPrefix:
     tiers: list[str] = field(default_factory=list)
     missing: list[ChunkSpan] = field(default_factory=list)
     logits: torch.Tensor | None = None
+    exact: LoadedPrefix | None = None
 
 
 def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -181,33 +184,28 @@ class Fuser:
     # ------------------------------------------------------------------ prepare (restore thread)
 
     def _head(self, salt: str, prompt_ids: Sequence[int],
-              spans: Sequence[ChunkSpan]) -> tuple[torch.Tensor | None, int, list[str], bool]:
+              spans: Sequence[ChunkSpan]) -> tuple[LoadedPrefix | None, list[str], bool]:
         """The prefix-cached part of prompt_ids[:-1] up to the first chunk it does not hold whole
-        (those it holds are restored exactly with it, as a repeated prompt's are): `[L, 2, H, n,
-        D]`, n, tiers, and whether it holds every chunk (then nothing is loaded: nothing to fuse)."""
+        (those it holds are restored exactly with it, as a repeated prompt's are), loaded, with its
+        tiers, and whether it holds every chunk (then all of it is loaded: nothing to fuse)."""
         size = self.kv.keyer.block_size
         usable = (len(prompt_ids) - 1) // size * size
         if usable == 0:
-            return None, 0, [], not spans
+            return None, [], not spans
         try:
             found = self.kv.lookup(salt, prompt_ids[:usable], pin=True)
             try:
-                end = found.num_tokens
-                cut = next((span.start for span in spans if span.end > end), None)
-                if cut is None:
-                    return None, end, found.tiers, True
-                blocks = min(end, cut) // size
-                if blocks == 0:
-                    return None, 0, [], False
+                cut = next((span.start for span in spans if span.end > found.num_tokens), None)
+                blocks = len(found.block_hashes) if cut is None else min(found.num_tokens, cut) // size
                 part = LookupResult(blocks * size, found.block_hashes[:blocks], found.tiers[:blocks])
-                prefix = self.kv.load(part)
+                prefix = self.kv.load(part) if blocks else None
             finally:
                 self.kv.release(found)
         except KVCacheError:
-            return None, 0, [], False
-        if prefix.num_tokens == 0:
-            return None, 0, [], False
-        return prefix.kv(), prefix.num_tokens, found.tiers[: prefix.num_tokens // size], False
+            return None, [], False
+        if prefix is None or prefix.num_tokens == 0:
+            return None, [], cut is None
+        return prefix, found.tiers[: prefix.num_tokens // size], cut is None
 
     @torch.inference_mode()
     def prepare(self, prompt_ids: Sequence[int], spans: Sequence[ChunkSpan], salt: str,
@@ -223,9 +221,10 @@ class Fuser:
         for before, after in itertools.pairwise(spans):
             if after.start < before.end:
                 raise ValueError("chunk spans overlap")
-        head_kv, num_head, tiers, whole = self._head(salt, prompt_ids, spans)
+        head, tiers, whole = self._head(salt, prompt_ids, spans)
+        num_head = 0 if head is None else head.num_tokens
         if whole:  # the prefix cache holds every chunk exactly (a repeated prompt): nothing to fuse
-            return FusedPrefix(num_tokens=n + 1)
+            return FusedPrefix(num_tokens=n + 1, num_restored=num_head, tiers=tiers, exact=head)
         spans = [span for span in spans if span.end > num_head]
 
         reused = torch.zeros(n + 1, dtype=torch.bool, device=device)  # the last token: never
@@ -265,11 +264,13 @@ class Fuser:
                 again = positions[sink[positions] | ~in_chunk[positions]]
                 positions = positions[~sink[positions]]
         question = spans[-1].end if spans else n
-        inputs = FusionInputs(torch.tensor(list(prompt_ids), dtype=torch.long, device=device), head_kv,
+        inputs = FusionInputs(torch.tensor(list(prompt_ids), dtype=torch.long, device=device),
+                              None if head is None else head.kv(),
                               chunks, positions, reused_rows, num_keep, question, again)
         return FusedPrefix(
             num_tokens=n + 1, inputs=inputs, num_restored=num_head, num_fused=num_loaded - num_recomputed,
             num_recomputed=num_recomputed, tiers=tiers, missing=missing,
+            exact=head if num_loaded == num_recomputed else None,  # nothing reused: the runner restores the head
         )
 
     # ------------------------------------------------------------------ fill (model thread)

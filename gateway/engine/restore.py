@@ -82,9 +82,18 @@ def restore_prefix(loaded: LoadedModel, kv: KVCacheManager, salt: str, prompt_id
             kv.release(found)
     except KVCacheError:
         return InitialCache(empty, 0)
+    if prefix is None:
+        return InitialCache(empty, 0)
+    return from_prefix(loaded, prefix, found.tiers[: prefix.num_tokens // block_size], empty, loader=loader,
+                       layerwise_from=layerwise_from, assemble=assemble)
+
+
+def from_prefix(loaded: LoadedModel, prefix: LoadedPrefix | None, tiers: list[str], empty: Cache, *,
+                loader: ThreadPoolExecutor, layerwise_from: int | None, assemble: bool) -> InitialCache:
+    """The start of a sequence from a loaded prefix (`empty` when there is none), as
+    `restore_prefix` describes."""
     if prefix is None or prefix.num_tokens == 0:
         return InitialCache(empty, 0)
-    tiers = found.tiers[: prefix.num_tokens // block_size]
     if layerwise_from is not None and prefix.num_tokens >= layerwise_from:
         return InitialCache(_layerwise(loaded, prefix, loader), prefix.num_tokens, tiers)
     if not assemble:

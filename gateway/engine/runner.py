@@ -34,7 +34,7 @@ from gateway.engine.fuse import ChunkSpan, FusedPrefix, Fuser
 from gateway.engine.kvpool import KVPool
 from gateway.engine.lean import Feed
 from gateway.engine.model import LoadedModel
-from gateway.engine.restore import InitialCache, into_pool, restore_prefix
+from gateway.engine.restore import InitialCache, from_prefix, into_pool, restore_prefix
 from gateway.engine.sampling import Sampler, SamplingParams, TextStream
 from gateway.kvcache.blocks import stack_layers
 from gateway.kvcache.errors import KVCacheError
@@ -133,9 +133,15 @@ class ModelRunner:
             if fused.num_fused:
                 cache = self.fuser.as_cache(fused) if self.pool is None else None  # else computed in `start`
                 return InitialCache(cache, fused.num_tokens, fused.tiers, fused)
-            # Nothing to reuse (no chunk cached yet): a plain prefill, prefilled a step at a time
-            # beside decoding sequences, with its chunks stored after the answer (`finish`). Fused,
-            # every row in one pass, it took 1.2-1.4x a plain prefill at ~4k tokens.
+            # Nothing to reuse (no chunk cached yet, or all of them held exactly by the prefix
+            # cache): the exact prefix `prepare` loaded is restored and the rest prefilled plainly,
+            # a step at a time beside decoding sequences; new chunks are stored after the answer
+            # (`finish`). Fused, every row in one pass, it took 1.2-1.4x a plain prefill at ~4k.
+            head = fused.exact
+            tiers = fused.tiers[: len(head.blocks)] if head is not None else []  # the chunks' come after
+            return from_prefix(self.loaded, head, tiers, self.empty_cache(), loader=self._loader,
+                               layerwise_from=self.layerwise_min_tokens if layerwise else None,
+                               assemble=self.pool is None)
         if self.kv is None:
             return InitialCache(self.empty_cache(), 0)
         return restore_prefix(self.loaded, self.kv, gen.salt, gen.prompt_ids, self.empty_cache(), writer=self.writer,
