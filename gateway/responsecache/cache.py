@@ -398,11 +398,11 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
         try:
             model = await asyncio.to_thread(open_backend, settings.embedding_backend, model=settings.embedding_model,
                                             url=settings.embedding_url, api_key=settings.embedding_api_key,
-                                            threads=settings.embed_threads)
+                                            engine=settings.embedding_engine)
         except EmbeddingBackendError as exc:
             log.error("response cache: %s", exc)
             raise
-        embedder = Embedder(model, settings.semantic_cpu_share)
+        embedder = Embedder(model, settings.semantic_cpu_share, threads=settings.embed_threads)
         verifier = Verifier.load(settings.max_false_hit_rate,
                                  unfamiliar_false_hit_rate=settings.unfamiliar_false_hit_rate)
         sketcher = await asyncio.to_thread(Sketcher.load)

