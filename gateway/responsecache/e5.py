@@ -59,11 +59,11 @@ class _Config:
     eps: float
 
 
-def records(q: np.ndarray, scale: np.ndarray, low: np.ndarray) -> np.ndarray:
-    """4-bit values q `[N, K]` (0..15), per-group scale and minimum `[N, K / 32]` (weight = q * scale
-    + low) -> the records `encoder.c` reads: per tile of 16 output rows, per group, 256 bytes of
-    values (byte 64 h + 4 j + i: q of input 8 h + i, low nibble, and of 8 h + 4 + i, high), then the
-    16 scales and the 16 minimums as float32."""
+def records(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """4-bit values q `[N, K]` (0..15) and per-group scales `[N, K / 32]` (weight = (q - 8) * scale)
+    -> the records `encoder.c` reads: per tile of 16 output rows, per group, 256 bytes of values
+    (byte 64 h + 4 j + i: q of input 8 h + i, low nibble, and of 8 h + 4 + i, high), then the 16
+    scales as float32."""
     n, k = q.shape
     tiles, groups = n // TILE, k // GROUP
     q6 = q.astype(np.uint8).reshape(tiles, TILE, groups, 4, 2, 4)  # [tile, j, group, h, half, i]
@@ -72,7 +72,7 @@ def records(q: np.ndarray, scale: np.ndarray, low: np.ndarray) -> np.ndarray:
     def per_group(v: np.ndarray) -> np.ndarray:  # [N, groups] -> [tiles, groups, 64 bytes]
         return np.ascontiguousarray(v.astype(np.float32).reshape(tiles, TILE, groups).transpose(0, 2, 1)).view(np.uint8)
 
-    return np.ascontiguousarray(np.concatenate([values, per_group(scale), per_group(low)], axis=-1))
+    return np.ascontiguousarray(np.concatenate([values, per_group(scale)], axis=-1))
 
 
 def _q4_0(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,7 +152,7 @@ class E5:
             parts = [_q4_0(tensors[n], rows, cols) for n in names]
             q = np.concatenate([p[0] for p in parts])
             d = np.concatenate([p[1] for p in parts])
-            return records(q, d, -8 * d)
+            return records(q, d)
 
         self._word = tensors["emb.word"].reshape(vocab, hidden // GROUP * 18)
         self._positions = floats("emb.pos").reshape(max_positions, hidden)
