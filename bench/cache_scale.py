@@ -53,8 +53,8 @@ def vectors(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def run_one(n: int, kind: str, num_queries: int) -> dict[str, object]:
-    from gateway.responsecache.index import IVF_MIN_ENTRIES, VectorIndex
     from gateway.responsecache.keys import ExactKey, PartitionKey
+    from gateway.responsecache.semantic.index import IVF_MIN_ENTRIES, VectorIndex
     from gateway.responsecache.store import EntryMeta
 
     rng = np.random.default_rng(n)

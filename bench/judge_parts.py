@@ -54,7 +54,7 @@ from bench.semantic_train import (
     retrieval_examples,
     split,
 )
-from gateway.responsecache.verifier import MONOTONIC, WEIGHTS_PATH, PairHead
+from gateway.responsecache.semantic.judge import MONOTONIC, WEIGHTS_PATH, PairHead
 
 RECALLS = (0.15, 0.2, 0.25, 0.3)
 MAX_TOKENS = 128

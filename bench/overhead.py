@@ -67,7 +67,7 @@ def rss():
             return int(line.split()[1]) * 1024
 import gateway.app, gateway.responsecache.cache
 before = rss()
-from gateway.responsecache.embedder import encode, load_model
+from gateway.responsecache.semantic.embedder import encode, load_model
 encode(load_model(), ['warm up the embedder once'])
 print(rss() - before, before)
 """

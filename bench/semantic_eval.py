@@ -1,7 +1,7 @@
 """`kvgate eval semantic [--pairs FILE] [--json]`: precision and recall of the semantic cache.
 
 FILE is JSON lines `{"a", "b", "label"}` (gzipped or not); without `--pairs`, a small hand-written
-English and Chinese sample shipped in the package (`gateway/responsecache/data/sample_pairs.jsonl`)
+English and Chinese sample shipped in the package (`gateway/responsecache/semantic/data/sample_pairs.jsonl`)
 is used, so the command runs from any checkout. The full sets are read by path, e.g.
 `--pairs ../shared/data/lcqmc/dev.jsonl.gz`. Every `a` goes into one fresh cache partition as a
 stored question; every `b` is asked. It runs the gateway's own code: the cheap stage on sketches (`plausible`),
@@ -57,19 +57,19 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-import gateway.responsecache
-from gateway.responsecache.embedder import DIMENSIONS, encode, load_model
-from gateway.responsecache.index import VectorIndex, embeddings_index, sketches_index
+import gateway.responsecache.semantic
 from gateway.responsecache.keys import PartitionKey
-from gateway.responsecache.language import language_of
-from gateway.responsecache.semantic import Match, best_match, plausible, sketch_neighbourhood
+from gateway.responsecache.semantic.embedder import DIMENSIONS, encode, load_model
+from gateway.responsecache.semantic.index import VectorIndex, embeddings_index, sketches_index
+from gateway.responsecache.semantic.judge import Verifier, tokens
+from gateway.responsecache.semantic.language import language_of
+from gateway.responsecache.semantic.match import Match, best_match, plausible, sketch_neighbourhood
+from gateway.responsecache.semantic.sketch import Sketcher
 from gateway.responsecache.settings import ResponseCacheSettings
-from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.store import EntryMeta
-from gateway.responsecache.verifier import Verifier, tokens
 
 # Shipped with the package (package data), so this default works from an installed kvgate too.
-SAMPLE_PAIRS = Path(gateway.responsecache.__file__).resolve().parent / "data" / "sample_pairs.jsonl"
+SAMPLE_PAIRS = Path(gateway.responsecache.semantic.__file__).resolve().parent / "data" / "sample_pairs.jsonl"
 PARTITION = PartitionKey("eval")
 DEFAULT_LIMIT = 4000
 TIMED_QUERIES = 300
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                              "calibration curves, as KVGATE_RESPONSECACHE__MAX_FALSE_HIT_RATE sets them")
     parser.add_argument("--unfamiliar-false-hit-rate", type=float,
                         default=ResponseCacheSettings().unfamiliar_false_hit_rate,
-                        help="the stricter bound for questions far from the calibration data (responsecache/domain.py)")
+                        help="the stricter bound for questions far from the calibration data (semantic/domain.py)")
     parser.add_argument("--no-domain-guard", dest="domain_guard", action="store_false",
                         help="judge every question under the one bound, familiar or not")
     parser.add_argument("--embeddings-cache", type=Path, help="directory that keeps embeddings between runs")

@@ -1,5 +1,5 @@
 """Train and calibrate the semantic cache's verifier on English and Chinese; writes
-`gateway/responsecache/verifier_weights.json` and prints its held-out validation.
+`gateway/responsecache/semantic/verifier_weights.json` and prints its held-out validation.
 
     python -m bench.semantic_train --embeddings-cache /tmp/kvgate-embeddings
 
@@ -62,10 +62,7 @@ from typing import Any
 import numpy as np
 
 from bench.semantic_eval import Duplicates, Pair, evaluate, load_vectors, normalized, print_report, read_pairs
-from gateway.responsecache.language import language_of
-from gateway.responsecache.semantic import NUM_CANDIDATES
-from gateway.responsecache.settings import ResponseCacheSettings
-from gateway.responsecache.verifier import (
+from gateway.responsecache.semantic.judge import (
     MONOTONIC,
     WEIGHTS_PATH,
     PairHead,
@@ -74,6 +71,9 @@ from gateway.responsecache.verifier import (
     candidate_features,
     hard_negative,
 )
+from gateway.responsecache.semantic.language import language_of
+from gateway.responsecache.semantic.match import NUM_CANDIDATES
+from gateway.responsecache.settings import ResponseCacheSettings
 
 MIN_COSINE = 0.75
 NUM_FEATURES = len(candidate_features("a", "b", 0, [1.0], MIN_COSINE))  # without the pair head's

@@ -1,4 +1,4 @@
-"""Build the semantic cache's sketch table (`gateway/responsecache/sketch_table.npz`):
+"""Build the semantic cache's sketch table (`gateway/responsecache/semantic/sketch_table.npz`):
 
     python -m bench.sketch_table
 
@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from gateway.responsecache.embedder import encode, load_model
-from gateway.responsecache.sketch import TABLE_PATH
+from gateway.responsecache.semantic.embedder import encode, load_model
+from gateway.responsecache.semantic.sketch import TABLE_PATH
 
 NUM_WORDS = 20_000
 BATCH = 64

@@ -1,4 +1,4 @@
-"""Tune the cheap stage's floors (`gateway/responsecache/sketch_floors.json`) and report what it
+"""Tune the cheap stage's floors (`gateway/responsecache/semantic/sketch_floors.json`) and report what it
 costs on held-out questions:
 
     python -m bench.sketch_tune --embeddings-cache /tmp/kvgate-embeddings
@@ -28,13 +28,13 @@ import numpy as np
 
 from bench.semantic_eval import PARTITION, Duplicates, build_index, evaluate, stored_metas, without_exact_twins
 from bench.semantic_train import CACHE_SIZE, add_source_arguments, caches, export_trees, load_source, split
-from gateway.responsecache import prejudge
-from gateway.responsecache.index import sketches_index
-from gateway.responsecache.language import language_of
-from gateway.responsecache.semantic import PLAUSIBLE_CANDIDATES, best_match, plausible
+from gateway.responsecache.semantic import prejudge
+from gateway.responsecache.semantic.index import sketches_index
+from gateway.responsecache.semantic.judge import Verifier, hard_negative
+from gateway.responsecache.semantic.language import language_of
+from gateway.responsecache.semantic.match import PLAUSIBLE_CANDIDATES, best_match, plausible
+from gateway.responsecache.semantic.sketch import FLOORS_PATH, TABLE_PATH, Sketcher
 from gateway.responsecache.settings import ResponseCacheSettings
-from gateway.responsecache.sketch import FLOORS_PATH, TABLE_PATH, Sketcher
-from gateway.responsecache.verifier import Verifier, hard_negative
 
 MARGIN = 0.02
 KEEP = 0.95  # 0.99 with the per-language judge: floors English 0.70, Chinese 0.91, twice the embeddings

@@ -66,7 +66,7 @@ async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
 async def build_embedding_backend() -> Backend:
     """`/v1/embeddings` on the embedded default, by the embedding model the semantic cache loads
     anyway (one copy per process)."""
-    from gateway.responsecache.embedder import Embedder, load_model
+    from gateway.responsecache.semantic.embedder import Embedder, load_model
     from gateway.upstream.embeddings import EmbeddingBackend
 
     model = await asyncio.to_thread(load_model)  # the process's one copy (its threads are fixed at first load)

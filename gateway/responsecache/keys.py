@@ -19,7 +19,7 @@ import hashlib
 from typing import Any, NewType
 
 from gateway.canonical.canonical_json import canonical_json
-from gateway.responsecache.language import num_units
+from gateway.responsecache.text import num_units
 
 ExactKey = NewType("ExactKey", str)
 PartitionKey = NewType("PartitionKey", str)
@@ -80,6 +80,6 @@ def partition_key(tenant: str, namespace: str, body: dict[str, Any]) -> Partitio
 def is_trivial(text: str, min_words: int) -> bool:
     """An empty or near-empty turn ("ok", "continue", "?", "好的", "继续") carries no question of its
     own: matching it by meaning would serve one cached reply to every such turn. Words are counted
-    with a Han character as half a word (`language.num_units`), so a Chinese sentence, which has no
+    with a Han character as half a word (`text.num_units`), so a Chinese sentence, which has no
     spaces, is not one word."""
     return num_units(text) < min_words

@@ -30,7 +30,7 @@ class ResponseCacheSettings(BaseModel):
     unfamiliar_false_hit_rate: float = Field(
         default=0.0025, gt=0, lt=1,
         description="The stricter bound for a question far from everything the judge was calibrated on "
-                    "(a domain it never saw: responsecache/domain.py); never looser than max_false_hit_rate.",
+                    "(a domain it never saw: responsecache/semantic/domain.py); never looser than max_false_hit_rate.",
     )
     embedding_backend: Literal["builtin", "sentence-transformers", "openai"] = Field(
         default="builtin",

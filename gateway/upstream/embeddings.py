@@ -14,8 +14,8 @@ import numpy as np
 import orjson
 
 from gateway.errors import InvalidRequest
-from gateway.responsecache.embedder import DIMENSIONS, Embedder, token_count
-from gateway.responsecache.embedder import MODEL_ID as LOCAL_EMBEDDING_MODEL_ID
+from gateway.responsecache.semantic.embedder import DIMENSIONS, Embedder, token_count
+from gateway.responsecache.semantic.embedder import MODEL_ID as LOCAL_EMBEDDING_MODEL_ID
 from gateway.upstream.backend import JSONObject, UpstreamJSON, UpstreamStream
 
 EMBEDDING_MODEL_ID = LOCAL_EMBEDDING_MODEL_ID

@@ -19,7 +19,7 @@ from gateway.engine.sampling import SamplingParams
 from gateway.engine.scheduler import EngineWorker
 from gateway.engine.settings import EngineSettings
 from gateway.errors import EngineError, GatewayError, InvalidRequest, RateLimited
-from gateway.responsecache.embedder import MODEL_ID as LOCAL_EMBEDDING_MODEL_ID
+from gateway.responsecache.semantic.embedder import MODEL_ID as LOCAL_EMBEDDING_MODEL_ID
 from gateway.schemas.sse import encode_done, encode_event
 from gateway.upstream.backend import JSONObject, UpstreamJSON
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from gateway.responsecache.embedder import load_model
+from gateway.responsecache.semantic.embedder import load_model
 from gateway.responsecache.settings import ResponseCacheSettings
 from tests.conftest import Gateway, fresh_postgres_database, new_key, start_gateway
 

@@ -15,8 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
-from gateway.responsecache.backends import EmbeddingBackendError, open_backend
-from gateway.responsecache.embedder import encode, load_model
+from gateway.responsecache.semantic.backends import EmbeddingBackendError, open_backend
+from gateway.responsecache.semantic.embedder import encode, load_model
 
 
 def _free_port() -> int:

@@ -1,4 +1,4 @@
-"""Familiar ground (`responsecache/domain.py`): a question far from the judge's calibration data is
+"""Familiar ground (`responsecache/semantic/domain.py`): a question far from the judge's calibration data is
 judged under the stricter bound; the shipped map covers both languages and knows their questions."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from gateway.responsecache.domain import DomainMap
-from gateway.responsecache.embedder import encode
-from gateway.responsecache.language import Language
-from gateway.responsecache.verifier import Verifier
+from gateway.responsecache.semantic.domain import DomainMap
+from gateway.responsecache.semantic.embedder import encode
+from gateway.responsecache.semantic.judge import Verifier
+from gateway.responsecache.semantic.language import Language
 
 
 def _unit(seed: int) -> np.ndarray:

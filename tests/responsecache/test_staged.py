@@ -12,7 +12,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from gateway.responsecache.embedder import BURST_S, SATURATED, CpuBudget, Embedder
+from gateway.responsecache.semantic.embedder import BURST_S, SATURATED, CpuBudget, Embedder
 from tests.conftest import Gateway
 from tests.responsecache.conftest import ADMIN, Client, cache_gateway
 

@@ -10,7 +10,7 @@ from gateway.errors import InvalidField
 from gateway.responsecache.controls import read_controls
 from gateway.responsecache.keys import exact_key, is_trivial, last_user_text, partition_key
 from gateway.responsecache.replay import assemble_stream, is_complete, replay_json, replay_sse
-from gateway.responsecache.verifier import hard_negative, threshold_for
+from gateway.responsecache.semantic.judge import hard_negative, threshold_for
 from gateway.upstream.sse import SSESplitter, event_data
 
 BODY = {"model": "m", "temperature": 0, "messages": [{"role": "system", "content": "be brief"},
@@ -163,8 +163,8 @@ def test_reordering_that_keeps_the_question_is_not_vetoed(a: str, b: str) -> Non
 
 def test_verifier_trees_match_their_export() -> None:
     """The shipped weights load, evaluate to probabilities, and pick a threshold from the curve."""
-    from gateway.responsecache.language import Language
-    from gateway.responsecache.verifier import Verifier
+    from gateway.responsecache.semantic.judge import Verifier
+    from gateway.responsecache.semantic.language import Language
 
     verifier = Verifier.load(0.01)
     assert set(verifier.thresholds) == {"en", "zh"}
@@ -188,8 +188,8 @@ def test_pair_head_is_symmetric_and_feeds_the_trees() -> None:
     a paraphrase can only raise the probability of the same candidate."""
     import json
 
-    from gateway.responsecache.language import Language
-    from gateway.responsecache.verifier import WEIGHTS_PATH, PairHead, Verifier
+    from gateway.responsecache.semantic.judge import WEIGHTS_PATH, PairHead, Verifier
+    from gateway.responsecache.semantic.language import Language
 
     data = json.loads(WEIGHTS_PATH.read_text())
     assert set(data["heads"]) == {"en", "zh"}
@@ -242,7 +242,7 @@ def test_trivial_turns_count_han_characters() -> None:
 
 
 def test_language_of() -> None:
-    from gateway.responsecache.language import Language, language_of
+    from gateway.responsecache.semantic.language import Language, language_of
 
     assert language_of("How do I reset my password?") is Language.ENGLISH
     assert language_of("如何重置密码？") is language_of("iPhone 13怎么截屏") is Language.CHINESE
@@ -271,7 +271,7 @@ def test_language_of() -> None:
 
 
 def test_differing_parts_of_long_shared_contexts() -> None:
-    from gateway.responsecache.semantic import differing_parts
+    from gateway.responsecache.semantic.match import differing_parts
 
     context = "The sky is blue and the grass is green. " * 10
     assert differing_parts(context + "What is the capital of France? Be brief.",
@@ -286,8 +286,8 @@ def test_verifier_scores_each_language_with_its_own_trees(tmp_path) -> None:
     question is scored by its own language's trees."""
     import json
 
-    from gateway.responsecache.language import Language
-    from gateway.responsecache.verifier import WEIGHTS_PATH, Verifier
+    from gateway.responsecache.semantic.judge import WEIGHTS_PATH, Verifier
+    from gateway.responsecache.semantic.language import Language
 
     data = json.loads(WEIGHTS_PATH.read_text())
     assert set(data["trees"]) == {"en", "zh"}, "the shipped weights hold one model per language"

@@ -57,3 +57,54 @@ def test_the_check_sees_a_forbidden_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from gateway.api.body import read_json\n")
     assert "gateway.api.body" in imported_modules(module)
+
+
+def module_imports(package: str) -> dict[str, set[str]]:
+    """Each module of `package` (dotted names) -> the modules of `package` it imports."""
+    root = PACKAGE.parent
+    graph: dict[str, set[str]] = {}
+    for path in sorted((PACKAGE / package.removeprefix("gateway.").replace(".", "/")).rglob("*.py")):
+        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = {m for m in imported_modules(path) if m.startswith(package + ".") and m != name}
+    return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph`, or None."""
+    state: dict[str, int] = {}  # 1 = on the path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for after in sorted(graph.get(node, ())):
+            if state.get(after) == 1:
+                return [*path[path.index(after):], after]
+            if after not in state and (found := visit(after)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_response_cache_imports_downward_only() -> None:
+    """No module of the response cache imports, even lazily, one that imports it back
+    (language -> sketch -> prejudge -> verifier -> language was one)."""
+    graph = module_imports("gateway.responsecache")
+    assert "gateway.responsecache.semantic.stage" in graph
+    assert cycle(graph) is None, " -> ".join(cycle(graph) or [])
+    semantic = {m for m in graph if m.startswith("gateway.responsecache.semantic")}
+    upward = [f"{m} imports {i}" for m in semantic for i in graph[m]
+              if i in graph and not i.startswith("gateway.responsecache.semantic")
+              and any(j.startswith("gateway.responsecache.semantic") for j in graph[i])]
+    assert upward == []  # what the semantic side reads from the shared modules never reads it back
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None

@@ -16,6 +16,10 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from functools import lru_cache
+from pathlib import Path
+
+from gateway.responsecache.semantic.vetoes import variants
+from gateway.responsecache.text import HAN, WORD
 
 
 class Language(StrEnum):
@@ -24,10 +28,9 @@ class Language(StrEnum):
 
 
 VALIDATED = frozenset(Language)
-_HAN = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
+TABLE_PATH = Path(__file__).with_name("sketch_table.npz")  # the sketch stage's table; its words are English's
 _KANA_HANGUL = re.compile(r"[\u3040-\u30ff\u31f0-\u31ff\uac00-\ud7af\u1100-\u11ff]")
 _LATIN_WORD = re.compile(r"[A-Za-z]+")
-_WORD = re.compile(r"[^\W\u3400-\u9fff\uf900-\ufaff]+", re.UNICODE)
 _ENGLISH = frozenset(re.findall(r"\S+", """the a an is are was were be do does did how what why when where which who
 whom whose can could should would will i you my me we your it its of to in on for with and or not this that there
 from by
@@ -55,8 +58,6 @@ def english_vocabulary() -> frozenset[str]:
     """The English words of the sketch table (read once, on first use)."""
     import numpy as np
 
-    from gateway.responsecache.sketch import TABLE_PATH
-
     with np.load(TABLE_PATH) as data:
         words = str(data["words"]).split("\n")
     return frozenset(w for w in words if w.isascii() and w.isalpha() and len(w) > 1)
@@ -64,8 +65,6 @@ def english_vocabulary() -> frozenset[str]:
 
 def _english_command(words: list[str], text: str) -> bool:
     """A short English command with no English function word ("Name three primary colors.")."""
-    from gateway.responsecache.sketch import variants
-
     if not text.isascii():
         return False
     lowered = [w.lower() for w in words]
@@ -81,7 +80,7 @@ def language_of(text: str) -> Language | None:
     """English, Chinese, or None for anything the verifier was not validated on. Remembered for the
     last texts seen: one lookup asks it of its question from several places (the language gate,
     the verifier, the sketch floor, the prejudge)."""
-    han = len(_HAN.findall(text))
+    han = len(HAN.findall(text))
     letters = sum(1 for c in text if c.isalpha())
     if han >= 2 and han >= 0.3 * letters:
         return None if _KANA_HANGUL.search(text) else Language.CHINESE
@@ -89,16 +88,10 @@ def language_of(text: str) -> Language | None:
     if not words or sum(len(w) for w in words) < 0.9 * letters:
         return None
     # Whole words, accented letters included: "ça" must not read as the English "a".
-    lowered = {w.lower() for w in _WORD.findall(text)}
+    lowered = {w.lower() for w in WORD.findall(text)}
     english = len(lowered & _ENGLISH)
     if english:
         return Language.ENGLISH if english > len(lowered & _AGAINST_ENGLISH) else None
     if _english_command(words, text):
         return Language.ENGLISH
     return None
-
-
-def num_units(text: str) -> float:
-    """How much a turn says: words, with a Han character counted as half a word (a Chinese word is
-    one or two characters; "如何重置密码" is three words)."""
-    return len(_WORD.findall(text)) + len(_HAN.findall(text)) / 2

@@ -29,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from gateway.responsecache.embedder import Embedder
-from gateway.responsecache.feedback import Reported
-from gateway.responsecache.index import Candidate, embeddings_index, sketches_index
 from gateway.responsecache.keys import PartitionKey
-from gateway.responsecache.language import language_of
 from gateway.responsecache.lookup import SKIP_BUSY, STAGE_JUDGED, STAGE_RULED_OUT, Lookup
-from gateway.responsecache.semantic import (
+from gateway.responsecache.semantic.embedder import Embedder
+from gateway.responsecache.semantic.feedback import Reported
+from gateway.responsecache.semantic.index import Candidate, embeddings_index, sketches_index
+from gateway.responsecache.semantic.judge import Verifier
+from gateway.responsecache.semantic.language import language_of
+from gateway.responsecache.semantic.match import (
     NUM_CANDIDATES,
     Match,
     best_match,
@@ -43,9 +44,8 @@ from gateway.responsecache.semantic import (
     plausible_with_chance,
     sketch_neighbourhood,
 )
-from gateway.responsecache.sketch import Sketcher
+from gateway.responsecache.semantic.sketch import Sketcher
 from gateway.responsecache.store import EntryMeta
-from gateway.responsecache.verifier import Verifier
 
 
 class SemanticStage:

@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from gateway.responsecache.domain import MAP_PATH, DomainMap
-from gateway.responsecache.language import Language, language_of
-from gateway.responsecache.vetoes import STOPWORDS, hard_negative, tokens
+from gateway.responsecache.semantic.domain import MAP_PATH, DomainMap
+from gateway.responsecache.semantic.language import Language, language_of
+from gateway.responsecache.semantic.vetoes import STOPWORDS, hard_negative, tokens
 
 __all__ = ["PairHead", "Verdict", "Verifier", "bigram_jaccard", "candidate_features", "hard_negative",
            "lexical_features", "threshold_for", "tokens"]

@@ -254,3 +254,15 @@ def _cn_antonym(a: str, b: str) -> bool:
 
 
 _HAN = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
+
+
+def variants(word: str) -> list[str]:
+    """Forms `word` may take in the table: without a plural, -ing or -ed ending (crude English)."""
+    if not word.isascii() or len(word) <= 3:
+        return []
+    out: list[str] = []
+    for suffix, replacements in (("ies", ("y",)), ("es", ("", "e")), ("s", ("",)), ("ing", ("", "e")),
+                                 ("ed", ("", "e"))):
+        if word.endswith(suffix) and not word.endswith("ss") and len(word) - len(suffix) >= 3:
+            out.extend(word[: len(word) - len(suffix)] + r for r in replacements)
+    return out

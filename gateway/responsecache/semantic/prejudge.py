@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.responsecache.language import Language, language_of
-from gateway.responsecache.verifier import Trees, bigram_jaccard, hard_negative, lexical_features
+from gateway.responsecache.semantic.judge import Trees, bigram_jaccard, hard_negative, lexical_features
+from gateway.responsecache.semantic.language import Language, language_of
 
 MODEL_PATH = Path(__file__).with_name("prejudge.json")
 # Sketch cosine (and its square) up, gap to the best neighbour down, margin to the next one up.

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.responsecache.index import embeddings_index
 from gateway.responsecache.keys import PartitionKey
+from gateway.responsecache.semantic.index import embeddings_index
 from gateway.responsecache.store import EntryMeta
 
 # multilingual-e5-small's cosines between questions: paraphrases about 0.95-1, other questions on

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from gateway import kernels
-from gateway.responsecache.e5_tokenizer import Tokenizer
+from gateway.responsecache.semantic.tokenizer import Tokenizer
 
 MAGIC = b"E5S1"
 GROUP = 32

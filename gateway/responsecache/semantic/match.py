@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.responsecache.index import VectorIndex
 from gateway.responsecache.keys import PartitionKey
-from gateway.responsecache.language import language_of
-from gateway.responsecache.prejudge import Prejudge
+from gateway.responsecache.semantic.index import VectorIndex
+from gateway.responsecache.semantic.judge import Verifier
+from gateway.responsecache.semantic.language import language_of
+from gateway.responsecache.semantic.prejudge import Prejudge
 from gateway.responsecache.store import EntryMeta
-from gateway.responsecache.verifier import Verifier
 
 NUM_CANDIDATES = 4
 # Sketch neighbours the cheap stage hands on to be embedded (when not yet) and judged.

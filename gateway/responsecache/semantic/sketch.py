@@ -25,12 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.responsecache.language import Language, language_of
-from gateway.responsecache.prejudge import MODEL_PATH as PREJUDGE_PATH
-from gateway.responsecache.prejudge import Prejudge
-from gateway.responsecache.vetoes import STOPWORDS, tokens
+from gateway.responsecache.semantic.language import TABLE_PATH, Language, language_of
+from gateway.responsecache.semantic.prejudge import MODEL_PATH as PREJUDGE_PATH
+from gateway.responsecache.semantic.prejudge import Prejudge
+from gateway.responsecache.semantic.vetoes import STOPWORDS, tokens, variants
 
-TABLE_PATH = Path(__file__).with_name("sketch_table.npz")
 FLOORS_PATH = Path(__file__).with_name("sketch_floors.json")
 STOPWORD_WEIGHT = 0.3
 MAX_HASHED_WORDS = 100_000
@@ -116,18 +115,6 @@ def _signs(word: str, dimensions: int) -> np.ndarray:
                       for i in range(-(-dimensions // 512)))
     bits = np.unpackbits(np.frombuffer(digest, dtype=np.uint8))[:dimensions]
     return (bits.astype(np.float32) * 2.0 - 1.0) / np.float32(np.sqrt(dimensions))
-
-
-def variants(word: str) -> list[str]:
-    """Forms `word` may take in the table: without a plural, -ing or -ed ending (crude English)."""
-    if not word.isascii() or len(word) <= 3:
-        return []
-    out: list[str] = []
-    for suffix, replacements in (("ies", ("y",)), ("es", ("", "e")), ("s", ("",)), ("ing", ("", "e")),
-                                 ("ed", ("", "e"))):
-        if word.endswith(suffix) and not word.endswith("ss") and len(word) - len(suffix) >= 3:
-            out.extend(word[: len(word) - len(suffix)] + r for r in replacements)
-    return out
 
 
 def stem(word: str) -> str:
