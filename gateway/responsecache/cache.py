@@ -52,6 +52,7 @@ from gateway.responsecache.lookup import (
     SKIP_SAMPLING,
     SKIP_TOO_LONG,
     SKIP_TRIVIAL,
+    STAGE_VARIANT,
     STORE_SKIP_ERROR,
     STORE_SKIP_INCOMPLETE,
     STORE_SKIP_INVALID,
@@ -67,6 +68,7 @@ from gateway.responsecache.sketch import Sketcher
 from gateway.responsecache.status import HIT_KINDS, CacheStatus
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter, ReportedEntry
 from gateway.responsecache.validate import is_storable
+from gateway.responsecache.variants import normalized_question
 from gateway.responsecache.verifier import Verifier
 from gateway.responsecache.writer import AnswerWriter
 
@@ -207,8 +209,13 @@ class ResponseCache:
         text = last_user_text(body)
         if self.semantic_enabled and controls.semantic and text is not None:
             lookup.semantic_skipped = self.semantic_skip(tenant, body, text)
+            form = normalized_question(text)
             if lookup.semantic_skipped is None:
                 lookup.query = text
+            # Its normalized form may pass where the text did not: full-width Latin letters read
+            # as no language, and runs of spaces count towards max_query_chars.
+            if lookup.query is not None or self.semantic_skip(tenant, body, form) is None:
+                lookup.variant = form
                 lookup.partition = partition_key(tenant, controls.namespace, body)
         if not controls.read:
             return lookup
@@ -231,6 +238,12 @@ class ResponseCache:
         if pending is not None:
             lookup.answer, lookup.status = pending.answer, HIT_EXACT
             await self._name_stored(lookup, pending.written)
+            return
+        variant = self._semantic.variant(lookup, now)
+        if variant is not None and await self._load(lookup, variant.id):
+            # Nothing was compared but the texts: the similarity of identical normalized forms.
+            lookup.status, lookup.similarity = HIT_SEMANTIC, 1.0
+            lookup.stage, lookup.semantic_skipped = STAGE_VARIANT, None
             return
         match = await self._semantic.match(lookup, now)
         if match is not None and await self._load(lookup, match.meta.id):
