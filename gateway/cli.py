@@ -36,6 +36,7 @@ BENCHMARKS = {
     "reliability": "bench.reliability",
     "cascade": "bench.cascade",
     "fuse": "bench.fuse",
+    "semantic-load": "bench.semantic_load",
 }
 # Benchmarks of the built-in engine and its KV cache: they import torch (the `engine` extra).
 ENGINE_BENCHMARKS = {"codec", "kv-tiers", "kv-trace", "ttft", "concurrency", "engine", "cascade", "fuse"}
