@@ -22,6 +22,9 @@ class Sample:
     # kvgate's x-kvgate-cache header (hit-exact, hit-semantic, miss, ...), with "/judged" for a miss the
     # semantic cache embedded and judged, "/busy" for one it left unjudged for want of CPU budget
     cache: str | None = None
+    # With `Connection(keep=True)`: the body, and every x-kvgate-* header (lower-case names).
+    body: bytes = b""
+    kvgate: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -32,8 +35,9 @@ class RunResult:
 
 
 class Connection:
-    def __init__(self, url: str, headers: dict[str, str]) -> None:
+    def __init__(self, url: str, headers: dict[str, str], keep: bool = False) -> None:
         parts = urlsplit(url)
+        self.keep = keep
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
         self.path = parts.path
@@ -51,35 +55,41 @@ class Connection:
         self.writer.write(request)
         status_line = await self.reader.readline()
         status = int(status_line.split()[1])
-        length, chunked, cache, detail = None, False, None, ""
+        headers: dict[str, str] = {}
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode().partition(":")
-            name = name.lower()
-            if name == "content-length":
-                length = int(value)
-            elif name == "transfer-encoding" and "chunked" in value:
-                chunked = True
-            elif name == "x-kvgate-cache":
-                cache = value.strip()
-            elif name == "x-kvgate-semantic-stage" and value.strip() == "judged":
-                detail = "/judged"
-            elif name == "x-kvgate-semantic-skipped" and value.strip() == "busy":
-                detail = "/busy"
+            headers[name.lower()] = value.strip()
+        parts, first_byte = await self._body(headers)
+        ended = time.perf_counter()
+        cache = headers.get("x-kvgate-cache")
+        if cache == "miss" and headers.get("x-kvgate-semantic-stage") == "judged":
+            cache += "/judged"
+        elif cache is not None and headers.get("x-kvgate-semantic-skipped") == "busy":
+            cache += "/busy"
+        kvgate = {k: v for k, v in headers.items() if k.startswith("x-kvgate-")} if self.keep else {}
+        return Sample(status, ended - started, (first_byte or ended) - started, cache, b"".join(parts), kvgate)
+
+    async def _body(self, headers: dict[str, str]) -> tuple[list[bytes], float | None]:
+        """The body's parts (kept only with `keep`), and when its first byte came."""
+        assert self.reader is not None
+        parts: list[bytes] = []
         first_byte = None
-        if length is not None:
-            await self.reader.readexactly(length)
+        if "content-length" in headers:
+            data = await self.reader.readexactly(int(headers["content-length"]))
+            if self.keep:
+                parts.append(data)
             first_byte = time.perf_counter()
-        elif chunked:
+        elif "chunked" in headers.get("transfer-encoding", ""):
             while True:
                 size = int((await self.reader.readline()).split(b";")[0], 16)
-                await self.reader.readexactly(size + 2)
+                data = await self.reader.readexactly(size + 2)
+                if self.keep:
+                    parts.append(data[:size])
                 if first_byte is None:
                     first_byte = time.perf_counter()
                 if size == 0:
                     break
-        ended = time.perf_counter()
-        return Sample(status, ended - started, (first_byte or ended) - started,
-                      cache + detail if cache is not None else None)
+        return parts, first_byte
 
     async def close(self) -> None:
         if self.writer is not None:

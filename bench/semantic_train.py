@@ -85,9 +85,9 @@ THRESHOLDS = [round(0.02 * i, 2) for i in range(1, 45)] + [round(0.9 + 0.002 * i
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def components(pairs: list[Pair]) -> list[int]:
-    """Each pair's bucket (0-9): a stable hash of its question component, so a question and every
-    paraphrase the file links it to share one."""
+def component_of(pairs: list[Pair]) -> Callable[[str], str]:
+    """The name of a question's component: questions joined by a pair (of either label), directly
+    or through other pairs, share one (`bench.semantic_load` draws each request from its own)."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -100,7 +100,14 @@ def components(pairs: list[Pair]) -> list[int]:
         ra, rb = find(normalized(pair.a)), find(normalized(pair.b))
         if ra != rb:
             parent[max(ra, rb)] = min(ra, rb)  # the smallest text names the component: order-free
-    return [int(hashlib.sha1(find(normalized(p.a)).encode()).hexdigest(), 16) % 10 for p in pairs]
+    return lambda text: find(normalized(text))
+
+
+def components(pairs: list[Pair]) -> list[int]:
+    """Each pair's bucket (0-9): a stable hash of its question component, so a question and every
+    paraphrase the file links it to share one."""
+    component = component_of(pairs)
+    return [int(hashlib.sha1(component(p.a).encode()).hexdigest(), 16) % 10 for p in pairs]
 
 
 def split(pairs: list[Pair]) -> tuple[list[Pair], list[Pair], list[Pair]]:

@@ -92,6 +92,11 @@ class Metrics:
                                   ["kind"], registry=r)
         self.cache_feedback = Counter("kvgate_cache_feedback", "Clients' verdicts on response-cache hits "
                                       "(POST /v1/kvgate/feedback): wrong, correct", ["verdict"], registry=r)
+        self.semantic_skipped = Counter(
+            "kvgate_response_cache_semantic_skipped",
+            "Response-cache misses forwarded without a semantic lookup, by reason: busy (the semantic cache's CPU "
+            "budget was spent: KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE), sampling, trivial, too-long, "
+            "language-not-validated", ["reason"], registry=r)
         self.cache_bypass = Counter("kvgate_response_cache_bypass",
                                     "Requests that skipped the response cache (cache controls)", registry=r)
         self.saved_tokens = Counter("kvgate_saved_tokens",
@@ -120,6 +125,8 @@ class Metrics:
         if record.ttfb_ms is not None and record.status < 400:
             self.ttft.labels(record.route, cache).observe(record.ttfb_ms / 1000)
         self._observe_cache(cache)
+        if record.semantic_skipped is not None:  # a fixed vocabulary (responsecache/lookup.py)
+            self.semantic_skipped.labels(record.semantic_skipped).inc()
         if record.upstream is not None and record.status >= 500:
             self.upstream_errors.labels(record.upstream, record.error_type or str(record.status)).inc()
         if record.status < 400:

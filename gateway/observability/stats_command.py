@@ -94,7 +94,9 @@ def render_text(summary: dict[str, Any], since: str) -> str:
         "",
         f"requests            {o['requests']} ({o['requests_per_second']:.3f}/s), {o['errors']} errors",
         f"exact hit rate      {_pct(o['exact_hit_rate'])} of {o['response_cache_lookups']} response-cache lookups",
-        f"semantic hit rate   {_pct(o['semantic_hit_rate'])}",
+        f"semantic hit rate   {_pct(o['semantic_hit_rate'])}; skipped busy {_pct(o['semantic_busy_rate'])} "
+        f"({o['semantic_busy']} misses forwarded unjudged: the semantic CPU budget, "
+        "KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE, was spent)",
         f"prefix hit rate     {_pct(o['prefix_hit_rate'])} of prompt tokens sent upstream",
         f"cache efficiency    {_pct(o['cache_efficiency'])} (read / (read + creation))",
         f"tokens              prompt {t['prompt']}, cached {t['cached']}, cache creation {t['cache_creation']}, "

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from gateway.observability.metrics import PriceFor
 from gateway.observability.settings import ObservabilitySettings
 from gateway.persistence.models import RequestLog
+from gateway.responsecache.lookup import SKIP_BUSY
 from gateway.responsecache.status import CacheStatus
 
 HITS = (CacheStatus.HIT_EXACT, CacheStatus.HIT_SEMANTIC)
@@ -41,6 +42,7 @@ class Row:
     total_ms: float
     cache: str | None
     condensed_from_tokens: int | None = None
+    semantic_skipped: str | None = None
 
     @property
     def condensed_tokens(self) -> int:
@@ -82,7 +84,8 @@ async def load_rows(sessions: async_sessionmaker, since: datetime, max_rows: int
     t = RequestLog
     query = (
         select(t.created_at, t.tenant, t.model, t.route, t.status, t.prompt_tokens, t.completion_tokens,
-               t.cached_tokens, t.cache_creation_tokens, t.ttfb_ms, t.total_ms, t.cache, t.condensed_from_tokens)
+               t.cached_tokens, t.cache_creation_tokens, t.ttfb_ms, t.total_ms, t.cache, t.condensed_from_tokens,
+               t.semantic_skipped)
         .where(t.created_at >= since)
         .order_by(t.created_at.desc())
         .limit(max_rows)
@@ -99,7 +102,8 @@ async def load_rows(sessions: async_sessionmaker, since: datetime, max_rows: int
                 # Not reported: prompt tokens not read from a cache were computed, and cached.
                 creation = 0 if r.cache in HITS else max(prompt - cached, 0)
             rows.append(Row(created, r.tenant, r.model, r.route, r.status, prompt, r.completion_tokens or 0,
-                            cached, creation, r.ttfb_ms, r.total_ms, r.cache, r.condensed_from_tokens))
+                            cached, creation, r.ttfb_ms, r.total_ms, r.cache, r.condensed_from_tokens,
+                            r.semantic_skipped))
     rows.reverse()
     return rows
 
@@ -123,6 +127,7 @@ def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
     lookups = [r for r in rows if r.cache in (*HITS, CacheStatus.MISS)]
     exact = sum(1 for r in lookups if r.cache == CacheStatus.HIT_EXACT)
     semantic = sum(1 for r in lookups if r.cache == CacheStatus.HIT_SEMANTIC)
+    busy = sum(1 for r in lookups if r.semantic_skipped == SKIP_BUSY)
     upstream = [r for r in ok if not r.hit]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in upstream)
@@ -148,6 +153,9 @@ def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
         "response_cache_lookups": len(lookups),
         "exact_hit_rate": _ratio(exact, len(lookups)),
         "semantic_hit_rate": _ratio(semantic, len(lookups)),
+        # Misses forwarded without a semantic lookup because its CPU budget was spent: a starved cache.
+        "semantic_busy": busy,
+        "semantic_busy_rate": _ratio(busy, len(lookups)),
         # Share of prompt tokens sent upstream that the upstream already held in its KV cache.
         "prefix_hit_rate": _ratio(cached, upstream_prompt),
         "cache_efficiency": _ratio(cached, cached + creation),
@@ -189,6 +197,7 @@ def _series(rows: list[Row], since: datetime, now: datetime) -> dict[str, Any]:
             "rps": len(group) / step_s,
             "exact_hit_rate": _ratio(sum(1 for r in lookups if r.cache == CacheStatus.HIT_EXACT), len(lookups)),
             "semantic_hit_rate": _ratio(sum(1 for r in lookups if r.cache == CacheStatus.HIT_SEMANTIC), len(lookups)),
+            "semantic_busy_rate": _ratio(sum(1 for r in lookups if r.semantic_skipped == SKIP_BUSY), len(lookups)),
             "prefix_hit_rate": _ratio(cached, sum(r.prompt_tokens for r in upstream)),
             "cache_efficiency": _ratio(cached, cached + creation),
         })

@@ -78,6 +78,8 @@ class RequestLog(Base):
     cache: Mapped[str | None] = mapped_column(String(16))
     # Prompt tokens the upstream would have read without condensing; null when nothing was condensed.
     condensed_from_tokens: Mapped[int | None] = mapped_column(Integer)
+    # Why a miss got no semantic lookup (`x-kvgate-semantic-skipped`: busy, sampling, trivial, ...).
+    semantic_skipped: Mapped[str | None] = mapped_column(String(32))
 
 
 class ResponseCacheEntry(Base):

@@ -25,6 +25,7 @@ from gateway.pipeline.results import Answer, EventStream, Result, iterate
 from gateway.pipeline.singleflight import Flight, SingleFlight
 from gateway.responsecache.cache import HIT_INFLIGHT, KINDS, Lookup, ResponseCache
 from gateway.responsecache.replay import kvgate_info
+from gateway.responsecache.status import CacheStatus
 from gateway.schemas import anthropic, responses_api
 from gateway.schemas.usage import (
     anthropic_hit_usage,
@@ -123,7 +124,8 @@ class NativeRoute:
             self._router.release(route)
         except GatewayError as exc:
             run.error, run.status = exc, exc.status_code
-            self._record(call, run, None, lookup.status if lookup else None)
+            self._record(call, run, None, lookup.status if lookup else None,
+                         lookup.semantic_skipped if lookup else None)
             if flight is not None:
                 self._flights.fail(flight, exc)
             raise
@@ -132,7 +134,8 @@ class NativeRoute:
                 self._flights.fail(flight, UpstreamError("the identical request this one waited for was cancelled"))
             raise
         run.first_byte_s, run.usage = time.perf_counter(), result.body.get("usage")
-        self._record(call, run, route.backend.name, lookup.status if lookup else None)
+        self._record(call, run, route.backend.name, lookup.status if lookup else None,
+                         lookup.semantic_skipped if lookup else None)
         if self._on_usage is not None:
             self._on_usage(call.principal.tenant, call.body, run.usage)
         headers = {"x-request-id": call.request_id, "x-kvgate-usage-source": "upstream"}
@@ -183,7 +186,8 @@ class NativeRoute:
                     run.status = 499
                 self._router.release(route, ok=True if run.status == 200 else (None if run.status == 499 else False))
                 run.usage = assembler.message.get("usage") if assembler.message else None
-                self._record(call, run, route.backend.name, lookup.status if lookup else None)
+                self._record(call, run, route.backend.name, lookup.status if lookup else None,
+                         lookup.semantic_skipped if lookup else None)
                 if self._on_usage is not None and run.usage is not None:
                     self._on_usage(call.principal.tenant, call.body, run.usage)
                 finished_ok = assembler.done and run.error is None
@@ -201,7 +205,8 @@ class NativeRoute:
                    **(lookup.headers if lookup else {})}
         return EventStream(events(), headers, finish)
 
-    def _record(self, call: Call, run: _Run, upstream: str | None, cache: str | None) -> None:
+    def _record(self, call: Call, run: _Run, upstream: str | None, cache: str | None,
+                semantic_skipped: str | None = None) -> None:
         usage = self._dialect.chat_usage(run.usage) if run.usage else {}
         error = run.error
         self._log.record(RequestRecord(
@@ -213,6 +218,7 @@ class NativeRoute:
             total_ms=(time.perf_counter() - run.started) * 1000,
             error_type=(error.code or error.error_type) if error else None, cache=cache,
             cache_creation_tokens=usage.get("cache_creation_input_tokens"),
+            semantic_skipped=semantic_skipped if cache == CacheStatus.MISS else None,
         ))
 
 

@@ -9,11 +9,15 @@ from gateway.errors import GatewayError
 from gateway.persistence.request_log import RequestRecord
 from gateway.pipeline.call import Call
 from gateway.pipeline.condense import condensed_from
+from gateway.responsecache.status import CacheStatus
 
 
 def request_row(call: Call, started: float, *, status: int, upstream: str | None = None,
                 usage: dict[str, Any] | None = None, ttfb_s: float | None = None,
-                error: GatewayError | None = None, cache: str | None = None) -> RequestRecord:
+                error: GatewayError | None = None, cache: str | None = None,
+                semantic_skipped: str | None = None) -> RequestRecord:
+    """`semantic_skipped` (`Lookup.semantic_skipped`) is kept for misses only: a hit needed no
+    semantic lookup."""
     usage = usage if isinstance(usage, dict) else {}
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -34,6 +38,7 @@ def request_row(call: Call, started: float, *, status: int, upstream: str | None
         cache=cache,
         cache_creation_tokens=_int_or_none(usage.get("cache_creation_input_tokens")),
         condensed_from_tokens=condensed_from(usage),
+        semantic_skipped=semantic_skipped if cache == CacheStatus.MISS else None,
     )
 
 

@@ -8,7 +8,7 @@
 
 It holds the live entries and the exact side: the directory of live keys and the answer LRU
 (`exact.py`), which lookups, stores, purges, deletes, reports and the change feed (`feed.py`) all
-read and write. Its two helpers hear of entries through it: `SemanticStage` (`semantic_stage.py`)
+read and write. Its two helpers hear of entries through it: `SemanticStage` (`semantic/stage.py`)
 answers the semantic lookups after an exact miss and keeps the indexes they search, told of every
 entry added, demoted or removed; `AnswerWriter` (`writer.py`) writes the answers `store_later`
 accepts (complete, and valid against the wire schema: `validate.is_storable`) off the request path,
@@ -19,7 +19,7 @@ current by the change feed; SQL is the source of truth shared by every replica.
 
 Longer than 300 lines on purpose: lookup, store, purge, delete, report and the change feed's
 updates all read and write the same directory and answer LRU; what shares none of that lives beside
-it (lookup.py, exact.py, semantic_stage.py, writer.py, store.py, replay.py, feed.py, feedback.py).
+it (lookup.py, exact.py, semantic/stage.py, writer.py, store.py, replay.py, feed.py, semantic/feedback.py).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from gateway.responsecache.lookup import (
     SKIP_SAMPLING,
     SKIP_TOO_LONG,
     SKIP_TRIVIAL,
+    STAGE_VARIANT,
     STORE_SKIP_ERROR,
     STORE_SKIP_INCOMPLETE,
     STORE_SKIP_INVALID,
@@ -64,6 +65,7 @@ from gateway.responsecache.semantic.embedder import Embedder
 from gateway.responsecache.semantic.judge import Verifier
 from gateway.responsecache.semantic.sketch import Sketcher
 from gateway.responsecache.semantic.stage import SemanticStage
+from gateway.responsecache.semantic.variants import normalized_question
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.status import HIT_KINDS, CacheStatus
 from gateway.responsecache.store import EntryMeta, EntryStore, PurgeFilter, ReportedEntry
@@ -132,7 +134,8 @@ class ResponseCache:
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
                 "stored": self.num_stored, "store_queue": self._writer.num_queued,
                 "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
-                "verifier_thresholds": self._semantic.thresholds}
+                "verifier_thresholds": self._semantic.thresholds,
+                "semantic_cpu_share": self.settings.semantic_cpu_share}
 
     def _add(self, metas: list[EntryMeta]) -> None:
         now = time.time()
@@ -207,8 +210,13 @@ class ResponseCache:
         text = last_user_text(body)
         if self.semantic_enabled and controls.semantic and text is not None:
             lookup.semantic_skipped = self.semantic_skip(tenant, body, text)
+            form = normalized_question(text)
             if lookup.semantic_skipped is None:
                 lookup.query = text
+            # Its normalized form may pass where the text did not: full-width Latin letters read
+            # as no language, and runs of spaces count towards max_query_chars.
+            if lookup.query is not None or self.semantic_skip(tenant, body, form) is None:
+                lookup.variant = form
                 lookup.partition = partition_key(tenant, controls.namespace, body)
         if not controls.read:
             return lookup
@@ -231,6 +239,12 @@ class ResponseCache:
         if pending is not None:
             lookup.answer, lookup.status = pending.answer, HIT_EXACT
             await self._name_stored(lookup, pending.written)
+            return
+        variant = self._semantic.variant(lookup, now)
+        if variant is not None and await self._load(lookup, variant.id):
+            # Nothing was compared but the texts: the similarity of identical normalized forms.
+            lookup.status, lookup.similarity = HIT_SEMANTIC, 1.0
+            lookup.stage, lookup.semantic_skipped = STAGE_VARIANT, None
             return
         match = await self._semantic.match(lookup, now)
         if match is not None and await self._load(lookup, match.meta.id):

@@ -14,14 +14,15 @@ from gateway.responsecache.keys import ExactKey, PartitionKey, public_key
 from gateway.responsecache.replay import hit_usage
 from gateway.responsecache.status import CacheStatus
 
-MISS = CacheStatus.MISS
+MISS, HIT_SEMANTIC = CacheStatus.MISS, CacheStatus.HIT_SEMANTIC
 # Why a request that could have had a semantic lookup got the exact cache only (response header
 # `x-kvgate-semantic-skipped`); requests that opt out themselves (`x-kvgate-semantic: off`) get none.
 SKIP_SAMPLING, SKIP_TRIVIAL, SKIP_TOO_LONG, SKIP_LANGUAGE = "sampling", "trivial", "too-long", "language-not-validated"
 SKIP_BUSY = "busy"  # the semantic cache's CPU budget is spent, or too short for this lookup (`embedder.CpuBudget`)
-# How a semantic-eligible miss ended (`x-kvgate-semantic-stage`): ruled out by the cheap stage (no
-# embedding computed), or embedded and judged.
-STAGE_RULED_OUT, STAGE_JUDGED = "ruled-out", "judged"
+# How a semantic lookup ended (`x-kvgate-semantic-stage`, on misses and semantic hits): ruled out by
+# the cheap stage (no embedding computed), embedded and judged, or served as a trivial variant of a
+# stored question (`variants.py`: nothing embedded, no judge).
+STAGE_RULED_OUT, STAGE_JUDGED, STAGE_VARIANT = "ruled-out", "judged", "variant"
 # Why an answer was not stored (`x-kvgate-store-skipped`, on non-streamed misses; a stream's headers
 # leave before its end, so only `no-store` is known there).
 STORE_SKIP_NO_STORE, STORE_SKIP_ERROR, STORE_SKIP_INVALID = "no-store", "error", "invalid"
@@ -39,6 +40,9 @@ class Lookup:
     key: ExactKey
     partition: PartitionKey | None = None
     query: str | None = None
+    # The question's normalized form (`variants.normalized_question`), when it may be served as a
+    # trivial variant of a stored question.
+    variant: str | None = None
     vector: np.ndarray | None = None
     sketch: np.ndarray | None = None
     stage: str | None = None
@@ -46,6 +50,9 @@ class Lookup:
     entry_id: int | None = None
     similarity: float | None = None
     probability: float | None = None  # the judge's, on a semantic hit
+    # On a judged miss: the cosine of the nearest stored question of the partition (the judge
+    # turned it down), for `x-kvgate-similarity`.
+    nearest: float | None = None
     semantic_skipped: str | None = None
     # Why the answer to this miss was not stored (`x-kvgate-store-skipped`), once `store_later` knows.
     store_skipped: str | None = None
@@ -61,13 +68,14 @@ class Lookup:
         headers = {"x-kvgate-cache": self.status, "x-kvgate-cache-key": public_key(self.key)}
         if self.entry_id is not None:
             headers["x-kvgate-cache-id"] = str(self.entry_id)
-        if self.similarity is not None:
-            headers["x-kvgate-similarity"] = f"{self.similarity:.4f}"
+        similarity = self.similarity if self.status != MISS else self.nearest
+        if similarity is not None:
+            headers["x-kvgate-similarity"] = f"{similarity:.4f}"
         if self.probability is not None:
             headers["x-kvgate-judge-probability"] = f"{self.probability:.4f}"
         if self.semantic_skipped is not None:
             headers["x-kvgate-semantic-skipped"] = self.semantic_skipped
-        if self.stage is not None and self.status == MISS:
+        if self.stage is not None and self.status in (MISS, HIT_SEMANTIC):
             headers["x-kvgate-semantic-stage"] = self.stage
         skipped = self.store_skipped or (STORE_SKIP_NO_STORE if not self.controls.write and self.answer is None
                                          else None)

@@ -83,6 +83,11 @@ def test_sdk_snippet_as_written(first_run: FirstRun) -> None:
     streamed = sdk.chat.completions.with_raw_response.create(model=CHAT_MODEL, messages=messages,  # type: ignore[arg-type]
                                                              stream=True)
     assert streamed.headers["x-kvgate-cache"] == "hit-exact"
+    # "... asked as "what is the capital of france", it is a semantic hit".
+    lowered = [{"role": "user", "content": "what is the capital of france"}]
+    variant = sdk.chat.completions.with_raw_response.create(model=CHAT_MODEL, messages=lowered)  # type: ignore[arg-type]
+    assert variant.headers["x-kvgate-cache"] == "hit-semantic"
+    assert variant.parse().choices[0].message.content in answer
 
 
 def test_keys_commands_as_written(first_run: FirstRun) -> None:

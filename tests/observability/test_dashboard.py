@@ -13,7 +13,8 @@ import pytest
 from gateway.canonical.diagnostics import SYSTEM_EDITED
 from gateway.observability.metrics import Metrics
 from tests.conftest import Gateway, start_gateway
-from tests.observability.conftest import ADMIN, ADMIN_KEY, MODEL, chat, flush_request_log
+from tests.observability.conftest import ADMIN, ADMIN_KEY, MODEL, chat, flush_request_log, scrape, value
+from tests.responsecache.conftest import Client, cache_gateway
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
@@ -129,6 +130,8 @@ def test_dashboard_in_a_real_browser(obs_gateway: Gateway, chromium: object, rep
         assert "fake" in page.inner_text("#table-upstreams")
         tiles = page.inner_text("#tiles")
         assert "Exact hit rate" in tiles and "Cache efficiency" in tiles
+        busy = page.locator("#tiles .tile", has_text="Semantic skipped busy").inner_text()
+        assert "Semantic skipped busy\n\u2013\nthe semantic cache is off" in busy  # an en dash: no figure
         reports = page.locator("#tiles .tile", has_text="Hits reported wrong").inner_text()
         assert f"Hits reported wrong\n{wrong['wrong']}\n{wrong['entries_reported_wrong']} entries" in reports
         assert wrong["wrong"] >= 1
@@ -146,6 +149,50 @@ def test_dashboard_in_a_real_browser(obs_gateway: Gateway, chromium: object, rep
         assert problems == []
         assert outside == []
         assert obs_gateway.api_key not in page.content()
+    finally:
+        page.close()
+
+
+@pytest.fixture(scope="module")
+def starved_gateway(fake_upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The semantic cache on, with a hundredth of a core: one judged lookup spends it for seconds."""
+    url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('starved') / 'kvgate.db'}"
+    with cache_gateway(fake_upstream, url, semantic_cpu_share=0.01) as gateway:
+        yield gateway
+
+
+def test_a_starved_semantic_cache_shows_beside_its_hit_rate(starved_gateway: Gateway, chromium: object,
+                                                             repo_root: Path) -> None:
+    client = Client(starved_gateway)
+    client.miss_then_stored("How do I replace the battery of my car key fob?")
+    client.chat("How can I replace my car key fob battery?")  # judged: spends the budget
+    busy = client.chat("How do I change the battery in my car key fob?")
+    assert busy.cache == "miss" and busy.headers["x-kvgate-semantic-skipped"] == "busy"
+    flush_request_log(starved_gateway)
+    overview = httpx.get(starved_gateway.base_url + "/dashboard/api/summary", headers=ADMIN).json()["overview"]
+    assert overview["semantic_busy"] == 1
+    assert overview["semantic_busy_rate"] == 1 / overview["response_cache_lookups"]
+    samples = scrape(starved_gateway)
+    assert value(samples, "kvgate_response_cache_semantic_skipped_total", reason="busy") == 1
+
+    page = chromium.new_page(viewport={"width": 1400, "height": 1200})  # type: ignore[attr-defined]
+    problems: list[str] = []
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    try:
+        page.goto(starved_gateway.base_url + "/dashboard")
+        page.fill("#admin-key", ADMIN_KEY)
+        page.click("#login-form button")
+        page.wait_for_selector("body[data-loaded=true]")
+        labels = page.locator("#tiles .tile .label").all_inner_texts()
+        assert labels[labels.index("Semantic hit rate") + 1] == "Semantic skipped busy", "beside the hit rate"
+        tile = page.locator("#tiles .tile", has_text="Semantic skipped busy").inner_text()
+        rate = f"{100 * overview['semantic_busy_rate']:.1f}%"
+        lookups = overview["response_cache_lookups"]
+        assert f"Semantic skipped busy\n{rate}\n1 of {lookups} lookups forwarded unjudged" in tile
+        assert "raise KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE (now 0.01 of a core)" in tile
+        assert page.locator('#chart-hits circle.point[data-series="semantic busy"]').count() >= 1
+        page.screenshot(path=str(repo_root / "tests" / "artifacts" / "dashboard-starved.png"), full_page=True)
+        assert problems == []
     finally:
         page.close()
 

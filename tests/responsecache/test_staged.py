@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from gateway.responsecache.semantic.embedder import BURST_S, SATURATED, CpuBudget, Embedder
 from tests.conftest import Gateway
+from tests.observability.conftest import scrape, value
 from tests.responsecache.conftest import ADMIN, Client, cache_gateway
 
 
@@ -96,6 +97,11 @@ def test_spent_cpu_budget_forwards_plausible_lookups_without_embedding(
         assert other.headers.get("x-kvgate-semantic-skipped") == "busy", "a spent budget skips the cheap stage too"
         assert "x-kvgate-semantic-stage" not in other.headers
         assert stats(gw)["semantic_busy"] == 2 and stats(gw)["semantic_ruled_out"] == ruled_out
+        sampled = client.chat("How can I replace my car key fob battery?", temperature=0.5)
+        assert sampled.headers.get("x-kvgate-semantic-skipped") == "sampling"
+        metrics = scrape(gw)
+        assert value(metrics, "kvgate_response_cache_semantic_skipped_total", reason="busy") == 2
+        assert value(metrics, "kvgate_response_cache_semantic_skipped_total", reason="sampling") == 1
 
 
 def test_cpu_budget_refills_at_its_share() -> None:

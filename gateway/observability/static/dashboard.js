@@ -5,7 +5,7 @@
 const KEY = "kvgate-admin-key";
 const REFRESH_MS = 10000;
 const SVG = "http://www.w3.org/2000/svg";
-const COLORS = ["#2f6fde", "#e0862b", "#2aa876"];
+const COLORS = ["#2f6fde", "#e0862b", "#2aa876", "#c0392b"];
 let timer = null;
 
 const $ = (id) => document.getElementById(id);
@@ -128,6 +128,8 @@ function tiles(o, writes, responseCache) {
     ["Requests / s", num(o.requests_per_second), num(o.requests) + " requests, " + num(o.errors) + " errors"],
     ["Exact hit rate", pct(o.exact_hit_rate), num(o.response_cache_lookups) + " lookups"],
     ["Semantic hit rate", pct(o.semantic_hit_rate), ""],
+    ["Semantic skipped busy", responseCache && responseCache.semantic ? pct(o.semantic_busy_rate) : "–",
+     busyHint(o, responseCache)],
     ["Prefix hit rate", pct(o.prefix_hit_rate), "of prompt tokens sent upstream"],
     ["Cache efficiency", pct(o.cache_efficiency), "read / (read + creation)"],
     ["Tokens saved", num(o.tokens_saved.response_cache + o.tokens_saved.kv_cache),
@@ -160,6 +162,16 @@ function tiles(o, writes, responseCache) {
   }
 }
 
+// Lookups forwarded unjudged because the semantic cache's CPU budget was spent, and what to change.
+function busyHint(o, responseCache) {
+  if (!responseCache || !responseCache.semantic) return "the semantic cache is off";
+  const share = responseCache.semantic_cpu_share;
+  const setting = "KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE (now " + (share ? share + " of a core" : "0, no limit") + ")";
+  return o.semantic_busy ? num(o.semantic_busy) + " of " + num(o.response_cache_lookups) +
+                           " lookups forwarded unjudged, CPU budget spent: raise " + setting
+                         : "of lookups; CPU budget: " + setting;
+}
+
 const GROUP_COLUMNS = [
   ["requests", (r) => num(r.requests)],
   ["errors", (r) => num(r.errors)],
@@ -183,6 +195,7 @@ function render(data) {
     { name: "exact", values: pts.map((p) => p.exact_hit_rate) },
     { name: "semantic", values: pts.map((p) => p.semantic_hit_rate) },
     { name: "prefix", values: pts.map((p) => p.prefix_hit_rate) },
+    { name: "semantic busy", values: pts.map((p) => p.semantic_busy_rate) },
   ], 1);
   lineChart($("chart-efficiency"), labels, [{ name: "efficiency", values: pts.map((p) => p.cache_efficiency) }], 1);
   table($("table-tenants"), [["tenant", (r) => r.tenant], ...GROUP_COLUMNS], data.tenants);

@@ -4,7 +4,7 @@ vector of each live entry, plus the in-memory record of every entry it holds.
 Partitions keep every search inside one tenant, namespace, model and conversation context by
 construction: a query can only ever see candidates whose context is byte-identical to its own.
 Vectors are unit length, so the inner product is the cosine. The cache keeps two of these (see
-`semantic_stage.py`): one over the cheap sketch every entry gets when it is stored, one over the full
+`stage.py`): one over the cheap sketch every entry gets when it is stored, one over the full
 embeddings, which exist only for entries a lookup has needed.
 
 A partition starts flat (exact; microseconds at a few thousand entries). Past `IVF_MIN_ENTRIES` it

@@ -1,7 +1,8 @@
 """`SemanticStage`: the semantic side of the response cache, asked by `ResponseCache` after an
 exact miss.
 
-    match(lookup, now) -> Match | None    the stored question whose answer serves this one, if any
+    variant(lookup, now) -> EntryMeta | None    a stored question this one trivially varies, if any
+    match(lookup, now) -> Match | None          the stored question whose answer serves this one, if any
 
 It holds what only semantic lookups use: the sketch index over every semantic entry and the
 embedding index over those some lookup has needed embedded (`index.py`), the entries reported as
@@ -9,7 +10,10 @@ wrong hits (`feedback.Reported`), the sketcher, the embedder with its CPU budget
 judge), and the counters of how lookups ended. `ResponseCache` owns the entries: it tells the stage
 of every one added, demoted or removed, and writes the embeddings the stage computed to SQL.
 
-A lookup ends at the first step that rules it out, each step dearer than the one before:
+Before any of them, `variant` answers a question that differs from a stored one of its partition
+only in case, spacing, width forms or end punctuation (`variants.py`): a dict read, whatever the
+CPU budget. Otherwise a lookup ends at the first step that rules it out, each step dearer than the
+one before:
 
 1. the CPU budget (`embedder.CpuBudget`) is spent: forwarded unjudged (`busy`), nothing run;
 2. the cheap stage (`sketch.py`, `semantic.plausible_with_chance`): no stored question sketches
@@ -45,6 +49,7 @@ from gateway.responsecache.semantic.match import (
     sketch_neighbourhood,
 )
 from gateway.responsecache.semantic.sketch import Sketcher
+from gateway.responsecache.semantic.variants import TrivialVariants
 from gateway.responsecache.store import EntryMeta
 
 
@@ -59,10 +64,12 @@ class SemanticStage:
         self._index = embeddings_index()  # entries some lookup has needed embedded
         self._sketches = sketches_index(sketcher.dimensions if sketcher else 1)  # every semantic entry
         self._reported = Reported()  # entries reported as wrong hits: served by exact key only
+        self._variants = TrivialVariants()  # every semantic entry by its normalized question
         self._new_embeddings: dict[int, np.ndarray] = {}  # computed on demand, not yet in SQL
         self.num_ruled_out = 0  # semantic lookups the cheap stage answered (nothing embedded)
         self.num_judged = 0  # semantic lookups that embedded and asked the judge
         self.num_busy = 0  # forwarded unjudged: the CPU budget was spent (or too short for its chance)
+        self.num_variants = 0  # served as a trivial variant of a stored question (nothing embedded)
         self.cheap_stage_cpu_s = 0.0  # the event loop's CPU time in the cheap stage, all lookups
         self.num_near_reported = 0  # judged lookups whose best match faced the bar near a reported entry
 
@@ -81,7 +88,8 @@ class SemanticStage:
     def stats(self) -> dict[str, Any]:
         return {"semantic_entries": len(self._sketches), "embedded_entries": len(self._index),
                 "semantic_ruled_out": self.num_ruled_out, "semantic_judged": self.num_judged,
-                "semantic_busy": self.num_busy, "semantic_near_reported": self.num_near_reported,
+                "semantic_busy": self.num_busy, "semantic_variants": self.num_variants,
+                "semantic_near_reported": self.num_near_reported,
                 "semantic_cheap_stage_cpu_s": round(self.cheap_stage_cpu_s, 3),
                 "semantic_budget_s": round(self._embedder.budget.tokens, 4) if self._embedder else None,
                 "event_loop_busy": round(self._embedder.budget.loop_busy, 3) if self._embedder else None}
@@ -106,6 +114,7 @@ class SemanticStage:
                 meta.sketch = self._sketcher.sketch(meta.query)
         self._sketches.add(serving)
         self._index.add(serving)
+        self._variants.add(serving)
         self._reported.add([m for m in live if m.wrong_reports])
 
     def demote(self, ids: list[int]) -> None:
@@ -113,12 +122,14 @@ class SemanticStage:
         mark their neighbourhood)."""
         self._index.remove(ids)
         self._sketches.remove(ids)
+        self._variants.remove(ids)
 
     def remove(self, ids: list[int]) -> None:
         for entry_id in ids:
             self._new_embeddings.pop(entry_id, None)
         self._index.remove(ids)
         self._sketches.remove(ids)
+        self._variants.remove(ids)
         self._reported.remove(ids)
 
     def take_new_embeddings(self) -> dict[int, np.ndarray]:
@@ -137,6 +148,16 @@ class SemanticStage:
     def close(self) -> None:
         if self._embedder is not None:
             self._embedder.close()
+
+    def variant(self, lookup: Lookup, now: float) -> EntryMeta | None:
+        """The live stored question of `lookup`'s partition with the same normalized form, if any:
+        the same question, served without the judge (its bars, a probability, hold trivially)."""
+        if lookup.partition is None or lookup.variant is None or not self.enabled:
+            return None
+        meta = self._variants.find(lookup.partition, lookup.variant, now)
+        if meta is not None:
+            self.num_variants += 1
+        return meta
 
     async def match(self, lookup: Lookup, now: float) -> Match | None:
         """The stored question whose answer serves `lookup` (an exact miss), or None. Records on
@@ -181,7 +202,11 @@ class SemanticStage:
             match = None  # a long shared context: judged below by what differs, not by the whole turn
         if match is None:
             match = await self._match_by_differing_parts(lookup.partition, lookup.vector, lookup.query, now)
-        return match if match is not None and self._meets_bars(lookup, match) else None
+        if match is not None and self._meets_bars(lookup, match):
+            return match
+        nearest = self._index.search(lookup.partition, lookup.vector, 1)
+        lookup.nearest = nearest[0].similarity if nearest else None
+        return None
 
     def _meets_bars(self, lookup: Lookup, match: Match) -> bool:
         """Whether the most probable match also meets the stricter bars: the request's own, and the
