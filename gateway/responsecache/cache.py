@@ -134,8 +134,7 @@ class ResponseCache:
                 "answers_in_memory": len(self._answers), "semantic": self.semantic_enabled,
                 "stored": self.num_stored, "store_queue": self._writer.num_queued,
                 "store_dropped": self.num_store_dropped, "store_rejected": self.num_store_rejected,
-                "verifier_thresholds": self._semantic.thresholds,
-                "semantic_cpu_share": self.settings.semantic_cpu_share}
+                "verifier_thresholds": self._semantic.thresholds}
 
     def _add(self, metas: list[EntryMeta]) -> None:
         now = time.time()

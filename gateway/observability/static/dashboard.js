@@ -166,7 +166,7 @@ function tiles(o, writes, responseCache) {
 function busyHint(o, responseCache) {
   if (!responseCache || !responseCache.semantic) return "the semantic cache is off";
   const share = responseCache.semantic_cpu_share;
-  const setting = "KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE (now " + (share ? share + " of a core" : "0, no limit") + ")";
+  const setting = "KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE (now " + (share ? share + (share > 1 ? " cores" : " of a core") : "0, no limit") + ")";
   return o.semantic_busy ? num(o.semantic_busy) + " of " + num(o.response_cache_lookups) +
                            " lookups forwarded unjudged, CPU budget spent: raise " + setting
                          : "of lookups; CPU budget: " + setting;

@@ -92,6 +92,8 @@ class SemanticStage:
                 "semantic_near_reported": self.num_near_reported,
                 "semantic_cheap_stage_cpu_s": round(self.cheap_stage_cpu_s, 3),
                 "semantic_budget_s": round(self._embedder.budget.tokens, 4) if self._embedder else None,
+                # the budget in force (the setting, or its default: every core but the loop's)
+                "semantic_cpu_share": round(self._embedder.budget.share, 2) if self._embedder else None,
                 "event_loop_busy": round(self._embedder.budget.loop_busy, 3) if self._embedder else None}
 
     @property
