@@ -21,19 +21,15 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
-from pathlib import Path
 
 import httpx
 import psutil
 
 from bench.loadgen import run_load
-from bench.overhead import _free_port, _percentile, _process, _uvicorn
+from bench.overhead import _percentile, gateway_stack
 
 STORED = "How do I reset the password of my wifi router?"
 PARAPHRASE = "How can I reset my wifi router password?"
@@ -60,20 +56,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--requests", type=int, default=400)
     args = parser.parse_args(argv)
     with ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        fake_port, gw_port = _free_port(), _free_port()
-        stack.enter_context(_process(_uvicorn("tests.fake_upstream:create_fake_upstream", fake_port),
-                                     f"http://127.0.0.1:{fake_port}/v1/models"))
-        db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
-        key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
-                              "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
-        stack.enter_context(_process(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(gw_port), "--upstream",
-             f"fake=http://127.0.0.1:{fake_port}/v1", "--database-url", db], f"http://127.0.0.1:{gw_port}/readyz",
-            # No CPU budget: every paraphrase below must be embedded and judged to time a hit (with the
-            # default budget, back-to-back lookups past a quarter of a core are forwarded instead).
-            env={"KVGATE_LOG_LEVEL": "warning", "KVGATE_OBSERVABILITY__ACCESS_LOG": "false",
-                 "KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE": "0"}))
+        # No CPU budget: every paraphrase below must be embedded and judged to time a hit (with a
+        # budget, back-to-back lookups past it are forwarded instead).
+        stack_ = gateway_stack(stack, {"KVGATE_LOG_LEVEL": "warning", "KVGATE_OBSERVABILITY__ACCESS_LOG": "false",
+                                       "KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE": "0"})
+        fake_port, gw_port = stack_.upstream_port, int(stack_.base_url.rsplit(":", 1)[1])
+        key = stack_.api_key
         gateway = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
         rss_ready = _rss_mb(gw_port)
         auth = {"authorization": f"Bearer {key}"}

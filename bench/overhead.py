@@ -136,6 +136,30 @@ def _uvicorn(factory: str, port: int) -> list[str]:
             "--no-access-log", "--loop", "uvloop", "--http", "httptools"]
 
 
+@dataclass(slots=True, frozen=True)
+class GatewayStack:
+    base_url: str  # the gateway's, without /v1
+    api_key: str  # of tenant "bench"
+    upstream_port: int  # the fake upstream's
+
+
+def gateway_stack(stack: ExitStack, env: dict[str, str]) -> GatewayStack:
+    """The fake upstream and `kvgate serve` in front of it (SQLite in a temporary directory, a
+    tenant key made with `kvgate keys create`), each in its own process, closed with `stack`."""
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    fake_port, gw_port = _free_port(), _free_port()
+    stack.enter_context(_process(_uvicorn("tests.fake_upstream:create_fake_upstream", fake_port),
+                                 f"http://127.0.0.1:{fake_port}/v1/models"))
+    db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
+    key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
+                          "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
+    base = f"http://127.0.0.1:{gw_port}"
+    stack.enter_context(_process(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(gw_port), "--upstream",
+         f"fake=http://127.0.0.1:{fake_port}/v1", "--database-url", db], base + "/readyz", env=env))
+    return GatewayStack(base, key, fake_port)
+
+
 def _tree(pid: int) -> list[int]:
     """The pid and its descendants (LiteLLM's proxy runs its server in a child)."""
     pids, todo = [], [pid]

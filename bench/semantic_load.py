@@ -36,9 +36,7 @@ import heapq
 import json
 import random
 import secrets
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -49,7 +47,7 @@ from typing import Any
 import httpx
 
 from bench.loadgen import Connection, Sample
-from bench.overhead import _free_port, _process, _uvicorn
+from bench.overhead import gateway_stack
 from bench.semantic_eval import Pair, read_pairs
 from bench.semantic_train import SHARED, component_of, split
 from gateway.responsecache.semantic.variants import normalized_question
@@ -226,19 +224,9 @@ def run_gateway(name: str, extra_env: dict[str, str], sequence: list[Item], clie
     admin_key = "bench-admin-" + secrets.token_hex(8)
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        fake_port, gw_port = _free_port(), _free_port()
-        stack.enter_context(_process(_uvicorn("tests.fake_upstream:create_fake_upstream", fake_port),
-                                     f"http://127.0.0.1:{fake_port}/v1/models"))
-        db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
-        key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
-                              "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
-        base = f"http://127.0.0.1:{gw_port}"
-        stack.enter_context(_process(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(gw_port), "--upstream",
-             f"fake=http://127.0.0.1:{fake_port}/v1", "--database-url", db], base + "/readyz",
-            env={"KVGATE_LOG_LEVEL": "warning", "KVGATE_OBSERVABILITY__ACCESS_LOG": "false",
-                 "KVGATE_ADMIN_KEY": admin_key, **extra_env}))
+        gateway = gateway_stack(stack, {"KVGATE_LOG_LEVEL": "warning", "KVGATE_OBSERVABILITY__ACCESS_LOG": "false",
+                                        "KVGATE_ADMIN_KEY": admin_key, **extra_env})
+        base, key = gateway.base_url, gateway.api_key
         for n in clients:
             headers = {"authorization": f"Bearer {key}", "x-kvgate-cache-namespace": f"semantic-load-c{n}"}
             before = _stats(base, admin_key)["semantic_busy"]
