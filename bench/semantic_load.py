@@ -231,6 +231,9 @@ def run_gateway(name: str, extra_env: dict[str, str], sequence: list[Item], clie
         stack.enter_context(_process(_uvicorn("tests.fake_upstream:create_fake_upstream", fake_port),
                                      f"http://127.0.0.1:{fake_port}/v1/models"))
         db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
+        # `keys create` uses an existing database only: `migrate` creates it.
+        subprocess.run([sys.executable, "-m", "gateway", "migrate", "--database-url", db], cwd=tmp,
+                       capture_output=True, check=True)
         key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
                               "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
         base = f"http://127.0.0.1:{gw_port}"
