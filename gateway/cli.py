@@ -11,10 +11,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway.engine.extra import missing_message as engine_missing
+from gateway.engine.settings import EngineSettings
 from gateway.observability.logging import configure_logging
 from gateway.persistence.location import DatabaseLocation
 from gateway.settings import Settings, parse_upstream_flag
 from gateway.shipped import bench_tree
+from gateway.upstream.backend import MAX_TOKENS_DEFAULT_HEADER
 from gateway.upstream.settings import with_upstream
 
 BENCHMARKS = {
@@ -189,7 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="OpenAI-compatible caching gateway")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the gateway (with no upstream: in front of the built-in engine)")
+    cap = EngineSettings.model_fields["default_max_tokens"].default
+    serve = sub.add_parser(
+        "serve", help="run the gateway (with no upstream: in front of the built-in engine)",
+        epilog=f"With no upstream, the built-in engine answers a request that gives no max_tokens with at most "
+               f"{cap} tokens (KVGATE_ENGINE__DEFAULT_MAX_TOKENS); such an answer carries the header "
+               f"{MAX_TOKENS_DEFAULT_HEADER}, and finish_reason \"length\" when it was cut there. Every option "
+               "is also a KVGATE_ setting (.env.example).")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--upstream", action="append", metavar="NAME=BASE_URL")

@@ -161,7 +161,7 @@ class Proxy:
         """The upstream's JSON answer: usage accounted, logged, stored, handed to the waiters."""
         ttfb = time.perf_counter()
         headers = {"x-request-id": call.request_id, **prepared.headers, **compaction_headers(call),
-                   **condense_headers(call.condensed)}
+                   **condense_headers(call.condensed), **result.headers}
         raw = result.raw
         usage = result.body.get("usage")
         if call.route != Route.EMBEDDINGS and isinstance(usage, dict):

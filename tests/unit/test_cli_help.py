@@ -103,3 +103,13 @@ def test_benchmarks_that_import_the_engine_are_marked() -> None:
     found = {name for name, module in BENCHMARKS.items() if needs_engine(module, set())}
     assert found <= ENGINE_BENCHMARKS, f"import the engine, not in ENGINE_BENCHMARKS: {found - ENGINE_BENCHMARKS}"
     assert {"codec", "ttft", "fuse"} <= found
+
+
+def test_serve_help_names_the_engines_token_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    """The built-in engine's cap on answers without max_tokens is in `kvgate serve --help`, with the
+    header a cut answer carries (issue 44, item 3)."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "at most 256 tokens (KVGATE_ENGINE__DEFAULT_MAX_TOKENS)" in shown
+    assert "x-kvgate-max-tokens-default" in shown
