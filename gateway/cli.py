@@ -15,7 +15,7 @@ from gateway.engine.settings import EngineSettings
 from gateway.observability.logging import configure_logging
 from gateway.persistence.location import DatabaseLocation
 from gateway.settings import Settings, parse_upstream_flag
-from gateway.shipped import bench_tree
+from gateway.shipped import bench_summary, bench_tree
 from gateway.upstream.backend import MAX_TOKENS_DEFAULT_HEADER
 from gateway.upstream.settings import with_upstream
 
@@ -198,39 +198,45 @@ def build_parser() -> argparse.ArgumentParser:
                f"{cap} tokens (KVGATE_ENGINE__DEFAULT_MAX_TOKENS); such an answer carries the header "
                f"{MAX_TOKENS_DEFAULT_HEADER}, and finish_reason \"length\" when it was cut there. Every option "
                "is also a KVGATE_ setting (.env.example).")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--upstream", action="append", metavar="NAME=BASE_URL")
-    serve.add_argument("--database-url")
-    serve.add_argument("--no-auth", action="store_true", help="serve without keys (loopback only)")
+    database = "the database: a SQLAlchemy URL or a SQLite file path (default: KVGATE_DATABASE_URL, else kvgate.db " \
+               "in the working directory)"
+    serve.add_argument("--host", help="address to bind (default: KVGATE_HOST, else 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default: KVGATE_PORT, else 8080)")
+    serve.add_argument("--upstream", action="append", metavar="NAME=BASE_URL",
+                       help="an OpenAI-compatible upstream, e.g. openai=https://api.openai.com/v1; repeat for more "
+                            "(default: KVGATE_UPSTREAMS, else none: the built-in engine)")
+    serve.add_argument("--database-url", help=database)
+    serve.add_argument("--no-auth", action="store_true",
+                       help="serve without keys, every request as tenant 'anonymous' (loopback only; default: off)")
 
     engine = sub.add_parser("engine", help="run the built-in engine as its own OpenAI-compatible server")
-    engine.add_argument("--host", help="default 127.0.0.1")
-    engine.add_argument("--port", type=int, help="default 8081")
+    engine.add_argument("--host", help="address to bind (default: 127.0.0.1)")
+    engine.add_argument("--port", type=int, help="port to listen on (default: 8081)")
 
     migrate = sub.add_parser("migrate", help="upgrade (or downgrade) the database schema")
-    migrate.add_argument("--database-url")
-    migrate.add_argument("--revision", default="head")
-    migrate.add_argument("--downgrade", metavar="REVISION")
+    migrate.add_argument("--database-url", help=database)
+    migrate.add_argument("--revision", default="head", help="the alembic revision to upgrade to (default: %(default)s)")
+    migrate.add_argument("--downgrade", metavar="REVISION", help="downgrade to REVISION instead (`base`: no tables)")
 
     keys = sub.add_parser("keys", help="manage gateway API keys (create, list, revoke)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key for a tenant (or an admin key) and print it once")
-    create.add_argument("--tenant")
-    create.add_argument("--admin", action="store_true", help="an admin key: /dashboard, /admin, every tenant's view")
+    create.add_argument("--tenant", help="the tenant the key belongs to (required unless --admin)")
+    create.add_argument("--admin", action="store_true",
+                        help="an admin key: /dashboard, /admin, every tenant's view (default: a tenant key)")
     create.add_argument("--expires-in", metavar="DURATION", help="e.g. 90s, 15m, 12h, 30d (default: never)")
-    create.add_argument("--database-url")
+    create.add_argument("--database-url", help=database)
     listing = keys_sub.add_parser("list", help="list keys (their 12-character prefix, never the key)")
-    listing.add_argument("--tenant")
-    listing.add_argument("--database-url")
+    listing.add_argument("--tenant", help="only this tenant's keys (default: every tenant's)")
+    listing.add_argument("--database-url", help=database)
     revoke = keys_sub.add_parser("revoke", help="revoke a key, given in full or by the prefix `keys list` shows")
-    revoke.add_argument("key", metavar="KEY_OR_PREFIX")
-    revoke.add_argument("--database-url")
+    revoke.add_argument("key", metavar="KEY_OR_PREFIX", help="the key, or its 12-character prefix")
+    revoke.add_argument("--database-url", help=database)
 
     stats = sub.add_parser("stats", help="what the caches saved, from the request log")
-    stats.add_argument("--since", default="1h", help="window: 90s, 15m, 1h, 7d (default 1h)")
-    stats.add_argument("--json", action="store_true", help="print the summary as JSON")
-    stats.add_argument("--database-url")
+    stats.add_argument("--since", default="1h", help="window: 90s, 15m, 1h, 7d (default: %(default)s)")
+    stats.add_argument("--json", action="store_true", help="print the summary as JSON (default: a text table)")
+    stats.add_argument("--database-url", help=database)
 
     # No -h of their own: `kvgate bench NAME --help` passes --help on to that benchmark's parser.
     bench = sub.add_parser("bench", add_help=False, help="run a benchmark from bench/ (`kvgate bench NAME --help`)")
@@ -242,8 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _runner_usage(command: str, names: dict[str, str]) -> int:
+    width = max(map(len, names))
+    rows = [f"  {name.ljust(width)}  {bench_summary(module)}".rstrip() for name, module in sorted(names.items())]
     print(f"usage: kvgate {command} NAME [options]   (kvgate {command} NAME --help: that one's options)\n\n"
-          f"NAME: {', '.join(sorted(names))}")
+          "NAME:\n" + "\n".join(rows))
     return 0
 
 
