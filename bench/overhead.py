@@ -151,6 +151,9 @@ def gateway_stack(stack: ExitStack, env: dict[str, str]) -> GatewayStack:
     stack.enter_context(_process(_uvicorn("tests.fake_upstream:create_fake_upstream", fake_port),
                                  f"http://127.0.0.1:{fake_port}/v1/models"))
     db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
+    # `keys create` uses an existing database only: `migrate` creates it.
+    subprocess.run([sys.executable, "-m", "gateway", "migrate", "--database-url", db], cwd=tmp, capture_output=True,
+                   check=True)
     key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
                           "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
     base = f"http://127.0.0.1:{gw_port}"
@@ -291,6 +294,9 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
     bare_pid = stack.enter_context(_process(_uvicorn("bench.bare_proxy:create_app", bare_port),
                                             f"http://127.0.0.1:{bare_port}/v1/models", env={"BARE_UPSTREAM": fake})).pid
     db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
+    # `keys create` uses an existing database only: `migrate` creates it.
+    subprocess.run([sys.executable, "-m", "gateway", "migrate", "--database-url", db], cwd=tmp,
+                   capture_output=True, check=True)
     key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
                           "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
     gw_pid = stack.enter_context(_process(
@@ -306,6 +312,9 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
         # The same gateway with no CPU budget for the semantic cache's embeddings (every plausible
         # lookup embeds, however busy the gateway is), on its own database.
         free_port, free_db = _free_port(), f"sqlite+aiosqlite:///{tmp / 'unbudgeted.db'}"
+        # `keys create` uses an existing database only: `migrate` creates it.
+        subprocess.run([sys.executable, "-m", "gateway", "migrate", "--database-url", free_db], cwd=tmp,
+                       capture_output=True, check=True)
         free_key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
                                    "--database-url", free_db], cwd=tmp, capture_output=True, text=True,
                                   check=True).stdout.strip()

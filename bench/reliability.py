@@ -163,6 +163,9 @@ def _rss_mb(pid: int) -> float:
 def run_case(kind: str, no_store: bool, fake_port: int, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     with ExitStack() as stack:
         url = stack.enter_context(_database(kind, tmp))
+        # `keys create` uses an existing database only: `migrate` creates it.
+        subprocess.run([sys.executable, "-m", "gateway", "migrate", "--database-url", url], cwd=REPO,
+                       capture_output=True, check=True)
         key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
                               "--database-url", url], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.strip()

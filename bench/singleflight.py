@@ -103,6 +103,9 @@ def main(argv: list[str]) -> int:
         stack.enter_context(_process(_uvicorn("tests.fake_upstream:create_fake_upstream", fake_port),
                                      fake + "/v1/models"))
         db = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
+        # `keys create` uses an existing database only: `migrate` creates it.
+        subprocess.run([sys.executable, "-m", "gateway", "migrate", "--database-url", db], cwd=tmp,
+                       capture_output=True, check=True)
         key = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench",
                               "--database-url", db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
         stack.enter_context(_process(

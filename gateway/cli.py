@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import ValidationError
 
 from gateway.engine.extra import missing_message as engine_missing
+from gateway.engine.settings import EngineSettings
 from gateway.observability.logging import configure_logging
+from gateway.persistence.location import DatabaseLocation
 from gateway.settings import Settings, parse_upstream_flag
-from gateway.shipped import bench_tree
+from gateway.shipped import bench_summary, bench_tree
+from gateway.upstream.backend import MAX_TOKENS_DEFAULT_HEADER
 from gateway.upstream.settings import with_upstream
 
 BENCHMARKS = {
@@ -42,13 +42,24 @@ BENCHMARKS = {
 # Benchmarks of the built-in engine and its KV cache: they import torch (the `engine` extra).
 ENGINE_BENCHMARKS = {"codec", "kv-tiers", "kv-trace", "ttft", "concurrency", "engine", "cascade", "fuse"}
 EVALS = {"semantic": "bench.semantic_eval"}
-T = TypeVar("T")
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
     if getattr(args, "database_url", None):
         overrides["database_url"] = args.database_url
     return Settings(**overrides)
+
+
+def _database(settings: Settings, *, must_exist: bool) -> bool:
+    """Say which database this command uses (stderr: stdout stays the command's output), or refuse
+    in one line one it cannot open. Only `serve` and `migrate` may create a SQLite file: anything
+    else opening a missing one would create an empty database beside the real one."""
+    location = DatabaseLocation.of(settings.database_url)
+    if problem := location.problem(must_exist=must_exist):
+        print(f"kvgate: {problem}", file=sys.stderr)
+        return False
+    print(f"kvgate: database {location.shown}", file=sys.stderr)
+    return True
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -64,6 +75,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.no_auth:
         overrides["no_auth"] = True
     settings = _settings(args, **overrides)
+    if not _database(settings, must_exist=False):
+        return 1
     for spec in args.upstream or []:
         settings.upstreams = with_upstream(settings.upstreams, parse_upstream_flag(spec))
     try:
@@ -103,6 +116,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from gateway.persistence.database import downgrade, upgrade
 
     settings = _settings(args)
+    if not _database(settings, must_exist=False):
+        return 1
     if args.downgrade:
         downgrade(settings.database_url, args.downgrade)
     else:
@@ -111,27 +126,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_sessions(args: argparse.Namespace, work: Callable[[Any], Awaitable[T]]) -> T:
-    """Run `work(sessions)` against the migrated database named by the settings / --database-url."""
-    from gateway.persistence.database import make_engine, make_sessionmaker, upgrade
-
-    settings = _settings(args)
-    upgrade(settings.database_url)
-
-    async def run() -> T:
-        engine = make_engine(settings.database_url)
-        try:
-            return await work(make_sessionmaker(engine))
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(run())
-
-
 def cmd_keys(args: argparse.Namespace) -> int:
     from gateway.observability.summary import parse_duration
-    from gateway.persistence.keys import ADMIN_TENANT, create_key, list_keys, revoke_key
+    from gateway.persistence.keys import ADMIN_TENANT
+    from gateway.persistence.keys_command import run_keys
 
+    expires_in = None
     if args.keys_command == "create":
         if args.admin and args.tenant not in (None, ADMIN_TENANT):
             print("kvgate: an admin key belongs to no tenant; drop --tenant", file=sys.stderr)
@@ -144,40 +144,19 @@ def cmd_keys(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kvgate: --expires-in: {exc}", file=sys.stderr)
             return 2
-        tenant = ADMIN_TENANT if args.admin else args.tenant
-        key = _with_sessions(args, lambda s: create_key(s, tenant, expires_in=expires_in, is_admin=args.admin))
-        print(key)
-        what = "admin key" if args.admin else f"key for tenant {tenant!r}"
-        until = f", expires in {args.expires_in}" if args.expires_in else ""
-        print(f"kvgate: {what}{until}; it is shown only once", file=sys.stderr)
-        return 0
-    if args.keys_command == "list":
-        keys = _with_sessions(args, lambda s: list_keys(s, args.tenant))
-        now = datetime.now(UTC)
-        rows = [("prefix", "tenant", "kind", "created", "expires", "state")]
-        rows += [(k.prefix, k.tenant, "admin" if k.is_admin else "tenant", _when(k.created_at),
-                  _when(k.expires_at) if k.expires_at else "never", k.state(now)) for k in keys]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-        return 0
-    matched = _with_sessions(args, lambda s: revoke_key(s, args.key))
-    if matched == 1:
-        print(f"kvgate: revoked {args.key[:12]} (gateways stop accepting it within KVGATE_KEY_CACHE_TTL_S)")
-        return 0
-    reason = "no active key matches" if matched == 0 else f"{matched} active keys share the prefix; give the full key"
-    print(f"kvgate: {reason} {args.key[:12]!r}", file=sys.stderr)
-    return 1
-
-
-def _when(moment: datetime | None) -> str:
-    return "" if moment is None else moment.strftime("%Y-%m-%d %H:%M")
+    settings = _settings(args)
+    if not _database(settings, must_exist=True):
+        return 1
+    return run_keys(args, settings.database_url, expires_in)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from gateway.observability.stats_command import run_stats
 
-    return run_stats(_settings(args), args.since, as_json=args.json)
+    settings = _settings(args)
+    if not _database(settings, must_exist=True):
+        return 1
+    return run_stats(settings, args.since, as_json=args.json)
 
 
 def run_benchmark(command: str, module: str, rest: list[str]) -> int:
@@ -212,40 +191,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="OpenAI-compatible caching gateway")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the gateway (with no upstream: in front of the built-in engine)")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--upstream", action="append", metavar="NAME=BASE_URL")
-    serve.add_argument("--database-url")
-    serve.add_argument("--no-auth", action="store_true", help="serve without keys (loopback only)")
+    cap = EngineSettings.model_fields["default_max_tokens"].default
+    serve = sub.add_parser(
+        "serve", help="run the gateway (with no upstream: in front of the built-in engine)",
+        epilog=f"With no upstream, the built-in engine answers a request that gives no max_tokens with at most "
+               f"{cap} tokens (KVGATE_ENGINE__DEFAULT_MAX_TOKENS); such an answer carries the header "
+               f"{MAX_TOKENS_DEFAULT_HEADER}, and finish_reason \"length\" when it was cut there. Every option "
+               "is also a KVGATE_ setting (.env.example).")
+    database = "the database: a SQLAlchemy URL or a SQLite file path (default: KVGATE_DATABASE_URL, else kvgate.db " \
+               "in the working directory)"
+    serve.add_argument("--host", help="address to bind (default: KVGATE_HOST, else 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default: KVGATE_PORT, else 8080)")
+    serve.add_argument("--upstream", action="append", metavar="NAME=BASE_URL",
+                       help="an OpenAI-compatible upstream, e.g. openai=https://api.openai.com/v1; repeat for more "
+                            "(default: KVGATE_UPSTREAMS, else none: the built-in engine)")
+    serve.add_argument("--database-url", help=database)
+    serve.add_argument("--no-auth", action="store_true",
+                       help="serve without keys, every request as tenant 'anonymous' (loopback only; default: off)")
 
     engine = sub.add_parser("engine", help="run the built-in engine as its own OpenAI-compatible server")
-    engine.add_argument("--host", help="default 127.0.0.1")
-    engine.add_argument("--port", type=int, help="default 8081")
+    engine.add_argument("--host", help="address to bind (default: 127.0.0.1)")
+    engine.add_argument("--port", type=int, help="port to listen on (default: 8081)")
 
     migrate = sub.add_parser("migrate", help="upgrade (or downgrade) the database schema")
-    migrate.add_argument("--database-url")
-    migrate.add_argument("--revision", default="head")
-    migrate.add_argument("--downgrade", metavar="REVISION")
+    migrate.add_argument("--database-url", help=database)
+    migrate.add_argument("--revision", default="head", help="the alembic revision to upgrade to (default: %(default)s)")
+    migrate.add_argument("--downgrade", metavar="REVISION", help="downgrade to REVISION instead (`base`: no tables)")
 
     keys = sub.add_parser("keys", help="manage gateway API keys (create, list, revoke)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key for a tenant (or an admin key) and print it once")
-    create.add_argument("--tenant")
-    create.add_argument("--admin", action="store_true", help="an admin key: /dashboard, /admin, every tenant's view")
+    create.add_argument("--tenant", help="the tenant the key belongs to (required unless --admin)")
+    create.add_argument("--admin", action="store_true",
+                        help="an admin key: /dashboard, /admin, every tenant's view (default: a tenant key)")
     create.add_argument("--expires-in", metavar="DURATION", help="e.g. 90s, 15m, 12h, 30d (default: never)")
-    create.add_argument("--database-url")
+    create.add_argument("--database-url", help=database)
     listing = keys_sub.add_parser("list", help="list keys (their 12-character prefix, never the key)")
-    listing.add_argument("--tenant")
-    listing.add_argument("--database-url")
+    listing.add_argument("--tenant", help="only this tenant's keys (default: every tenant's)")
+    listing.add_argument("--database-url", help=database)
     revoke = keys_sub.add_parser("revoke", help="revoke a key, given in full or by the prefix `keys list` shows")
-    revoke.add_argument("key", metavar="KEY_OR_PREFIX")
-    revoke.add_argument("--database-url")
+    revoke.add_argument("key", metavar="KEY_OR_PREFIX", help="the key, or its 12-character prefix")
+    revoke.add_argument("--database-url", help=database)
 
     stats = sub.add_parser("stats", help="what the caches saved, from the request log")
-    stats.add_argument("--since", default="1h", help="window: 90s, 15m, 1h, 7d (default 1h)")
-    stats.add_argument("--json", action="store_true", help="print the summary as JSON")
-    stats.add_argument("--database-url")
+    stats.add_argument("--since", default="1h", help="window: 90s, 15m, 1h, 7d (default: %(default)s)")
+    stats.add_argument("--json", action="store_true", help="print the summary as JSON (default: a text table)")
+    stats.add_argument("--database-url", help=database)
 
     # No -h of their own: `kvgate bench NAME --help` passes --help on to that benchmark's parser.
     bench = sub.add_parser("bench", add_help=False, help="run a benchmark from bench/ (`kvgate bench NAME --help`)")
@@ -257,8 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _runner_usage(command: str, names: dict[str, str]) -> int:
+    width = max(map(len, names))
+    rows = [f"  {name.ljust(width)}  {bench_summary(module)}".rstrip() for name, module in sorted(names.items())]
     print(f"usage: kvgate {command} NAME [options]   (kvgate {command} NAME --help: that one's options)\n\n"
-          f"NAME: {', '.join(sorted(names))}")
+          "NAME:\n" + "\n".join(rows))
     return 0
 
 
@@ -284,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_eval(args, rest)
         return cmd_bench(args, rest)
     except ValidationError as exc:
-        print(f"kvgate: invalid settings: {exc}", file=sys.stderr)
+        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                           for e in exc.errors())
+        print(f"kvgate: invalid settings: {errors}", file=sys.stderr)
         return 2
 
 

@@ -17,6 +17,7 @@ from gateway.canonical.settings import CanonicalSettings
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
+from gateway.persistence.location import resolve_database_url
 from gateway.pipeline.compaction import CompactionSettings
 from gateway.pipeline.settings import CondenseSettings
 from gateway.responsecache.semantic.embedder import MODEL_ID
@@ -38,7 +39,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
-    database_url: str = "sqlite+aiosqlite:///kvgate.db"
+    # A URL or a plain SQLite file path; a SQLite path is made absolute against the working directory
+    # (gateway/persistence/location.py), so every command names the file `kvgate serve` opens there.
+    database_url: str = Field(default="sqlite+aiosqlite:///kvgate.db", validate_default=True)
     auto_migrate: bool = True
     # PostgreSQL pool. Background writers (request log, response-cache store) hold one connection
     # each at most, so requests keep the rest.
@@ -66,6 +69,11 @@ class Settings(BaseSettings):
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     compaction: CompactionSettings = Field(default_factory=CompactionSettings)
     condense: CondenseSettings = Field(default_factory=CondenseSettings)
+
+    @field_validator("database_url")
+    @classmethod
+    def _resolve_database_url(cls, value: str) -> str:
+        return resolve_database_url(value)
 
     @field_validator("upstream", mode="before")
     @classmethod

@@ -8,6 +8,9 @@ An editable install and a plain checkout have no such copies and read the origin
 
 from __future__ import annotations
 
+import ast
+import re
+import textwrap
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
@@ -27,3 +30,15 @@ def bench_tree() -> Path | None:
         if (root / "bench" / "__init__.py").is_file() and (root / "tests" / "fake_upstream.py").is_file():
             return root
     return None
+
+
+def bench_summary(module: str, width: int = 96) -> str:
+    """The first sentence of a bench module's docstring (`bench.overhead`), read from its source:
+    importing it would import torch for the engine's benchmarks (seconds, for a --help)."""
+    tree = bench_tree()
+    path = None if tree is None else tree / (module.replace(".", "/") + ".py")
+    if path is None or not path.is_file():
+        return ""
+    paragraph = " ".join((ast.get_docstring(ast.parse(path.read_text())) or "").split("\n\n")[0].split())
+    paragraph = re.sub(r"^`kvgate [^`]*`:\s*", "", paragraph)
+    return textwrap.shorten(re.split(r"(?<=[.?])\s", paragraph, maxsplit=1)[0], width, placeholder=" ...")

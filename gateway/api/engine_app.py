@@ -84,8 +84,10 @@ async def _generate(request: Request, path: str) -> Response:
         raise ModelNotFound(f"The model {parsed.model!r} is not served here", param="model")
     salt = request.headers.get(SALT_HEADER, "")
     if not parsed.stream:
-        return render(Answer((await backend.post_json(path, body, salt=salt)).raw))
-    return render(EventStream(_events(await backend.post_stream(path, body, salt=salt))))
+        answer = await backend.post_json(path, body, salt=salt)
+        return render(Answer(answer.raw, answer.headers))
+    stream = await backend.post_stream(path, body, salt=salt)
+    return render(EventStream(_events(stream), stream.headers))
 
 
 @router.post("/v1/chat/completions")

@@ -45,6 +45,9 @@ class Call:
     compaction: Compaction | None = None  # set when it did
     # Client headers the upstream must see (native Messages: `anthropic-beta`); part of the cache key.
     upstream_headers: dict[str, str] = field(default_factory=dict)
+    # The cache status to log when the proxy looks nothing up itself: the embeddings cache looks up
+    # each input before it forwards the ones it missed (`miss`, `hit-partial`).
+    cache_status: str | None = None
 
 
 def compaction_headers(call: Call) -> dict[str, str]:

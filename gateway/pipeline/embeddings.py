@@ -56,9 +56,13 @@ class EmbeddingCache:
         usage: dict[str, Any] = {"prompt_tokens": 0, "total_tokens": 0}
         model = call.model
         headers: dict[str, str] = {"x-request-id": call.request_id}
+        cached = len(inputs) - len(missing)
+        status: str = HIT_EXACT if not missing else (HIT_PARTIAL if cached else MISS)
+        if not call.cache.read:
+            status = lookups[0].status if lookups else MISS
         if missing:
             upstream_call = Call(call.request_id, call.principal, call.route, call.path, call.model,
-                                 {**call.body, "input": [inputs[i] for i in missing]})
+                                 {**call.body, "input": [inputs[i] for i in missing]}, cache_status=status)
             response = await self._proxy.forward(upstream_call)
             assert isinstance(response, Answer)  # embeddings never stream
             answer: JSONObject = orjson.loads(response.body)
@@ -74,10 +78,6 @@ class EmbeddingCache:
             usage = answer.get("usage") or usage
             model = answer.get("model") or model
             headers.update({k: v for k, v in response.headers.items() if k.startswith("x-kvgate-usage")})
-        cached = len(inputs) - len(missing)
-        status: str = HIT_EXACT if not missing else (HIT_PARTIAL if cached else MISS)
-        if not call.cache.read:
-            status = lookups[0].status if lookups else MISS
         headers["x-kvgate-cache"] = status
         if not missing:
             # Nothing went upstream, so the proxy logged nothing: the hit is logged here.

@@ -150,7 +150,7 @@ class Proxy:
                 return await self._compact_and_forward(call, request, prepared)
             exc.message += HOW_TO_OPT_IN
         self.log.record(request_row(call, started, status=exc.status_code, error=exc,
-                                    cache=lookup.status if lookup else None,
+                                    cache=lookup.status if lookup else call.cache_status,
                                     semantic_skipped=lookup.semantic_skipped if lookup else None))
         if flight is not None:
             self.flights.fail(flight, exc)
@@ -161,7 +161,7 @@ class Proxy:
         """The upstream's JSON answer: usage accounted, logged, stored, handed to the waiters."""
         ttfb = time.perf_counter()
         headers = {"x-request-id": call.request_id, **prepared.headers, **compaction_headers(call),
-                   **condense_headers(call.condensed)}
+                   **condense_headers(call.condensed), **result.headers}
         raw = result.raw
         usage = result.body.get("usage")
         if call.route != Route.EMBEDDINGS and isinstance(usage, dict):
@@ -171,7 +171,7 @@ class Proxy:
                                 "kvgate": {"usage_source": accounted.source, **compaction_field(call)}})
             headers["x-kvgate-usage-source"] = accounted.source
         self.log.record(request_row(call, started, status=200, upstream=route.backend.name, usage=usage, ttfb_s=ttfb,
-                                    cache=lookup.status if lookup else None,
+                                    cache=lookup.status if lookup else call.cache_status,
                                     semantic_skipped=lookup.semantic_skipped if lookup else None))
         stored = None
         if lookup is not None and self.cache is not None:

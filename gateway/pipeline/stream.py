@@ -66,7 +66,7 @@ class StreamRun:
         call = self._call
         headers = {"x-request-id": call.request_id, **prepared.headers,
                    **(self._lookup.headers if self._lookup else {}), **compaction_headers(call),
-                   **condense_headers(call.condensed)}
+                   **condense_headers(call.condensed), **(self._stream.headers if self._stream else {})}
         if (source := self._proxy.accountant.source_for(self._route.backend.name)) is not None:
             headers["x-kvgate-usage-source"] = source
         return headers

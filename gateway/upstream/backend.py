@@ -8,6 +8,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 JSONObject = dict[str, Any]
+# On an engine's answer to a request that gave no max_tokens: the engine's own cap
+# (KVGATE_ENGINE__DEFAULT_MAX_TOKENS), so that an answer cut at it (finish_reason "length") says why.
+MAX_TOKENS_DEFAULT_HEADER = "x-kvgate-max-tokens-default"
+# Response headers of a backend that reach the client.
+RELAYED_HEADERS = (MAX_TOKENS_DEFAULT_HEADER,)
+
+
+def relayed(headers: Any) -> dict[str, str]:
+    """The headers of a backend's answer the client sees (`headers`: a dict or an HTTP header map)."""
+    return {name: headers[name] for name in RELAYED_HEADERS if name in headers}
 
 
 @dataclass(slots=True)
@@ -21,7 +31,10 @@ class UpstreamJSON:
 
 
 class UpstreamStream(Protocol):
-    """An open, successful streaming answer: raw bytes as they arrive, then `aclose`."""
+    """An open, successful streaming answer: raw bytes as they arrive, then `aclose`; `headers`,
+    the answer's headers the client sees (`relayed`)."""
+
+    headers: dict[str, str]
 
     def aiter_bytes(self) -> AsyncIterator[bytes]: ...
 

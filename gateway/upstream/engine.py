@@ -21,7 +21,7 @@ from gateway.engine.settings import EngineSettings
 from gateway.errors import EngineError, GatewayError, InvalidRequest, RateLimited
 from gateway.responsecache.semantic.embedder import MODEL_ID as LOCAL_EMBEDDING_MODEL_ID
 from gateway.schemas.sse import encode_done, encode_event
-from gateway.upstream.backend import JSONObject, UpstreamJSON
+from gateway.upstream.backend import MAX_TOKENS_DEFAULT_HEADER, JSONObject, UpstreamJSON
 
 CHAT, COMPLETIONS = "/chat/completions", "/completions"
 log = logging.getLogger(__name__)
@@ -140,6 +140,12 @@ class EngineBackend:
             raise RateLimited("the built-in engine's queue is full; retry shortly")
         return Generation(prompt_ids=prompt_ids, params=params, salt=salt, chunks=chunks, recompute_share=share)
 
+    def _capped_headers(self, body: JSONObject) -> dict[str, str]:
+        """Says, on an answer to a request with no max_tokens, the cap the engine put on it."""
+        if body.get("max_completion_tokens") or body.get("max_tokens"):
+            return {}
+        return {MAX_TOKENS_DEFAULT_HEADER: str(self.settings.default_max_tokens)}
+
     def _envelope(self, path: str) -> JSONObject:
         prefix = "chatcmpl-" if path == CHAT else "cmpl-"
         return {"id": prefix + secrets.token_hex(12), "created": int(time.time()), "model": self.model_id,
@@ -163,14 +169,16 @@ class EngineBackend:
             choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
             payload = {**base, "object": "text_completion", "choices": [choice], "usage": usage_of(result)}
         raw = orjson.dumps(payload)
-        return UpstreamJSON(200, payload, raw)
+        return UpstreamJSON(200, payload, raw, self._capped_headers(body))
 
     async def post_stream(self, path: str, body: JSONObject, *, salt: str = "",
                         headers: dict[str, str] | None = None) -> EngineStream:
         with engine_boundary():
             gen = self._generation(path, body, salt)
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return EngineStream(self.worker, gen, path, self._envelope(path), include_usage)
+            stream = EngineStream(self.worker, gen, path, self._envelope(path), include_usage)
+            stream.headers = self._capped_headers(body)
+            return stream
 
     async def aclose(self) -> None:
         self.worker.close()
@@ -184,6 +192,7 @@ class EngineStream:
         self._path = path
         self._base = {**base, "object": "chat.completion.chunk" if path == CHAT else "text_completion"}
         self._include_usage = include_usage
+        self.headers: dict[str, str] = {}
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 

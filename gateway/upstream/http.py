@@ -35,7 +35,7 @@ from gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from gateway.upstream.backend import JSONObject, UpstreamJSON
+from gateway.upstream.backend import JSONObject, UpstreamJSON, relayed
 from gateway.upstream.settings import UpstreamSettings
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
@@ -107,6 +107,7 @@ class _HttpStream:
     def __init__(self, response: aiohttp.ClientResponse, name: str) -> None:
         self._response = response
         self._name = name
+        self.headers = relayed(response.headers)
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         with _mapped(self._name):
@@ -219,7 +220,7 @@ class HttpBackend:
             raise UpstreamProtocolError(f"upstream {self.name!r} sent a body that is not JSON") from exc
         if not isinstance(parsed, dict):
             raise UpstreamProtocolError(f"upstream {self.name!r} sent JSON that is not an object")
-        return UpstreamJSON(response.status, parsed, raw)
+        return UpstreamJSON(response.status, parsed, raw, relayed(response.headers))
 
     async def post_stream(self, path: str, body: JSONObject, *, salt: str = "",
                         headers: dict[str, str] | None = None) -> _HttpStream:

@@ -10,6 +10,7 @@ import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,9 @@ PROJECT = "kvgatedeploytest"
 MODEL = "smollm2-135m-instruct"
 ENGINES = ("engine-1", "engine-2")
 TEST_FILES = ("docker-compose.yml", "deploy/compose.test.yml")
+# A setting only the env file (KVGATE_ENV_FILE, as a user's .env) gives the kvgate containers, seen from
+# outside: a body over it is refused with 413 (the default is 8 MiB).
+ENV_FILE_MAX_BODY_BYTES = 1_000_000
 
 
 def docker_unavailable() -> str | None:
@@ -95,7 +99,11 @@ class Stack:
         self.gateway_first = free_port_range(4)
         self.prometheus_port = free_port_range(1)
         self.admin_key = "kvg-admin-" + os.urandom(8).hex()
-        self.env = dict(os.environ, KVGATE_ADMIN_KEY=self.admin_key,
+        # The compose file has no default PostgreSQL password, and reads the env file a user's .env would be.
+        self.env_file = Path(tempfile.mkdtemp(prefix="kvgate-deploy-")) / "kvgate.env"
+        self.env_file.write_text(f"KVGATE_MAX_BODY_BYTES={ENV_FILE_MAX_BODY_BYTES}\n")
+        self.env = dict(os.environ, KVGATE_ADMIN_KEY=self.admin_key, KVGATE_POSTGRES_PASSWORD=os.urandom(8).hex(),
+                        KVGATE_ENV_FILE=str(self.env_file),
                         KVGATE_GATEWAY_PORTS=f"{self.gateway_first}-{self.gateway_first + 3}",
                         KVGATE_PROMETHEUS_PORT=str(self.prometheus_port), KVGATE_LOG_LEVEL="info", **env)
         self.timings: list[tuple[str, float]] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -103,13 +104,89 @@ def test_services_use_the_image_they_need() -> None:
         assert services[name]["build"]["target"] == "kvgate-engine"
 
 
+KVGATE_SERVICES = ("gateway", "migrate", "engine-1", "engine-2")
+ENV_FILE = "${KVGATE_ENV_FILE:-.env}"
+PASSWORD = "KVGATE_POSTGRES_PASSWORD"
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's `${VAR}`, `${VAR:-default}` and `${VAR:?message}`, as docker-compose does it."""
+    def one(match: re.Match[str]) -> str:
+        name, op, arg = match.group(1), match.group(2), match.group(3)
+        if env.get(name):
+            return env[name]
+        if op == ":?":
+            raise LookupError(arg)
+        return arg if op == ":-" else ""
+
+    return re.sub(r"\$\{([A-Z0-9_]+)(?:(:[-?])([^}]*))?\}", one, value)
+
+
+def test_kvgate_containers_read_the_env_file() -> None:
+    """All of `.env` reaches the gateway (and the migrate job and the engines), not the five
+    variables compose names; another file by KVGATE_ENV_FILE (the deploy test's)."""
+    services = compose()["services"]
+    for name in KVGATE_SERVICES:
+        assert services[name]["env_file"] == ENV_FILE, name
+    assert "KVGATE_ENV_FILE" in listed_names(compose_only=True)
+
+
+def test_no_default_database_password() -> None:
+    """Every use of the PostgreSQL password is `${KVGATE_POSTGRES_PASSWORD:?message}`: compose
+    refuses to start without it, and says where to set it; `.env.example` leaves it empty."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    uses = re.findall(r"\$\{" + PASSWORD + r"[^}]*\}", text)
+    assert len(uses) == 3 and set(uses) == {"${" + PASSWORD + ":?set " + PASSWORD + " in .env (see .env.example)}"}
+    assert "kvgate:kvgate@" not in text and ":-kvgate}" not in text
+    example = (ROOT / ".env.example").read_text()
+    assert f"\n{PASSWORD}=\n" in example
+    postgres = compose()["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    with pytest.raises(LookupError, match=f"set {PASSWORD} in .env"):
+        interpolate(postgres, {})
+    assert interpolate(postgres, {PASSWORD: "s3cret"}) == "s3cret"
+
+
+def test_grafana_on_loopback_behind_its_login() -> None:
+    grafana = compose()["services"]["grafana"]
+    assert grafana["ports"] == ["127.0.0.1:3000:3000"]
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert not any(key.startswith("GF_AUTH_ANONYMOUS_ORG") for key in grafana["environment"])
+
+
+def test_keys_create_in_the_gateway_container_uses_the_stack_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented one-liner runs `kvgate keys create` in the gateway container: its settings come
+    from the container's environment (.env, then compose's entries) and no .env file in /app, so it
+    resolves the stack's PostgreSQL, not a SQLite file in the container."""
+    one_liner = "docker compose exec gateway kvgate keys create --tenant t1"
+    assert one_liner in (ROOT / "README.md").read_text()
+    assert one_liner in (ROOT / "docker-compose.yml").read_text()
+    from dotenv import dotenv_values
+
+    shell = {PASSWORD: "s3cret"}
+    environment = {k: v or "" for k, v in dotenv_values(ROOT / ".env.example").items()}
+    environment |= {k: interpolate(str(v), shell) for k, v in compose()["services"]["gateway"]["environment"].items()}
+    for key in [k for k in os.environ if k.startswith("KVGATE_")]:
+        monkeypatch.delenv(key)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    settings = Settings(_env_file=None)
+    assert settings.database_url == "postgresql+asyncpg://kvgate:s3cret@postgres:5432/kvgate"
+    assert [u.name for u in settings.upstreams] == ["engine-1", "engine-2"]
+
+
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
 @pytest.mark.parametrize("files", [
     ["docker-compose.yml"],
     ["docker-compose.yml", "deploy/compose.test.yml"],
     ["docker-compose.yml", "deploy/compose.redis-cluster.yml", "deploy/compose.test.yml"],
 ])
-def test_docker_compose_config_validates(files: list[str]) -> None:
+def test_docker_compose_config_validates(files: list[str], tmp_path: Path) -> None:
+    env_file = tmp_path / "kvgate.env"
+    env_file.write_text("KVGATE_USAGE__PRICES={}\n")
     command = ["docker-compose", *(arg for f in files for arg in ("-f", f)), "config", "-q"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    env = {**os.environ, PASSWORD: "s3cret", "KVGATE_ENV_FILE": str(env_file)}
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
+    del env[PASSWORD]
+    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode != 0 and f"set {PASSWORD} in .env" in refused.stderr

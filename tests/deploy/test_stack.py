@@ -22,7 +22,16 @@ import httpx
 import openai
 import pytest
 
-from tests.deploy.stack import ENGINES, MODEL, ROOT, Stack, docker_unavailable, eventually, write_behind_settled
+from tests.deploy.stack import (
+    ENGINES,
+    ENV_FILE_MAX_BODY_BYTES,
+    MODEL,
+    ROOT,
+    Stack,
+    docker_unavailable,
+    eventually,
+    write_behind_settled,
+)
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "How do I reset the password of my wifi router?"
@@ -220,3 +229,20 @@ def test_engine_killed_mid_stream_then_recovery(stack: Stack) -> None:
     stack.log("recover", time.monotonic() - start, f"({killed} healthy and up in every router; {policy})")
     cache, answer = chat(sdk, ask(f"Name an animal. ({uuid.uuid4().hex})"), max_tokens=16)
     assert cache == "miss" and answer.choices[0].message.content
+
+
+def test_env_file_reaches_the_gateway_and_keys_are_created_in_the_stack(stack: Stack) -> None:
+    """The env file (a user's .env) reaches the gateway, not only the variables compose names; the
+    README's one-liner creates a tenant key in the stack's PostgreSQL that the gateway accepts
+    (issue 44, item 4)."""
+    created = stack.compose("exec", "-T", "gateway", "kvgate", "keys", "create", "--tenant", "t1")
+    key = created.stdout.strip()
+    assert key.startswith("kvg-") and created.stdout == key + "\n", created.stdout
+    assert "kvgate: database postgresql+asyncpg://kvgate:***@postgres:5432/kvgate" in created.stderr.splitlines()
+    url = stack.gateway_urls()[0]
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+    assert MODEL in [m.id for m in sdk.models.list()]
+    padding = b"x" * ENV_FILE_MAX_BODY_BYTES
+    too_big = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"}, timeout=60,
+                         content=b'{"model": "' + MODEL.encode() + b'", "messages": [], "pad": "' + padding + b'"}')
+    assert too_big.status_code == 413 and str(ENV_FILE_MAX_BODY_BYTES) in too_big.text

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from tests.e2e.readme import env_for
 from tests.servers import free_port
@@ -77,11 +78,18 @@ def test_no_auth_refused_off_loopback(tmp_path: Path) -> None:
 
 
 def test_keys_create_then_serve_with_that_key(tmp_path: Path, fake_upstream: str) -> None:
-    created = run(["keys", "create", "--tenant", "acme"], tmp_path)
+    """A key created from another directory, naming the database by a plain relative path, is one
+    `kvgate serve` on its default database accepts: both resolve to the same absolute file."""
+    assert run(["migrate"], tmp_path).returncode == 0
+    assert (tmp_path / "kvgate.db").exists(), "the default database is a SQLite file in the working directory"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    created = run(["keys", "create", "--tenant", "acme", "--database-url", "../kvgate.db"], elsewhere)
     assert created.returncode == 0, created.stderr
     key = created.stdout.strip()
     assert key.startswith("kvg-") and len(key) > 40
-    assert (tmp_path / "kvgate.db").exists(), "the default database is a SQLite file in the working directory"
+    assert f"kvgate: database {tmp_path / 'kvgate.db'} (SQLite)" in created.stderr.splitlines()
+    assert list(elsewhere.iterdir()) == []
 
     port = free_port()
     with serving([], tmp_path, port, KVGATE_UPSTREAM=f"fake={fake_upstream}/v1"):
@@ -105,6 +113,61 @@ def test_serve_no_auth_with_upstream_flag(tmp_path: Path, fake_upstream: str) ->
     assert (tmp_path / "other.db").exists()
     output = proc.stdout.read() if proc.stdout else ""
     assert "AUTH IS OFF" in output
+    assert f"kvgate: database {tmp_path / 'other.db'} (SQLite)" in output.splitlines()
+
+
+DATABASE_COMMANDS = [["keys", "create", "--tenant", "t3"], ["keys", "create", "--admin"], ["keys", "list"],
+                     ["keys", "revoke", "kvg-0123456789"], ["stats"]]
+
+
+@pytest.mark.parametrize("command", DATABASE_COMMANDS, ids=" ".join)
+def test_database_commands_refuse_a_missing_sqlite_file_and_create_nothing(tmp_path: Path,
+                                                                           command: list[str]) -> None:
+    """Run where no kvgate.db is (the default), and with a plain path to a missing file: exit 1, one
+    line naming the absolute file it looked for, nothing created (issue 44, item 1)."""
+    for extra, env, missing in (([], {}, tmp_path / "kvgate.db"),
+                                (["--database-url", "gone/kv.db"], {}, tmp_path / "gone" / "kv.db"),
+                                ([], {"KVGATE_DATABASE_URL": "sqlite+aiosqlite:///rel.db"}, tmp_path / "rel.db")):
+        result = run([*command, *extra], tmp_path, **env)
+        assert result.returncode == 1, (result.stdout, result.stderr)
+        assert result.stdout == ""
+        assert result.stderr.splitlines() == [result.stderr.strip()]
+        assert result.stderr.startswith(f"kvgate: no database at {missing} ")
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_database_commands_name_the_database_they_use(tmp_path: Path) -> None:
+    """A plain file path, absolute or relative, is the SQLite file; each command says which file it
+    used on stderr (stdout stays the key, the table, the summary); what is not a SQLite database is
+    refused in one line, not a traceback."""
+    database = tmp_path / "srv" / "kvgate.db"
+    database.parent.mkdir()
+    migrated = run(["migrate", "--database-url", str(database)], tmp_path)
+    assert migrated.returncode == 0, migrated.stderr
+    shown = f"kvgate: database {database} (SQLite)"
+    assert migrated.stderr.splitlines() == [shown]
+    work = tmp_path / "work"
+    work.mkdir()
+    created = run(["keys", "create", "--tenant", "t3", "--database-url", str(database)], work)
+    assert created.returncode == 0 and created.stderr.splitlines()[0] == shown, created.stderr
+    key = created.stdout.strip()
+    assert created.stdout == key + "\n" and key.startswith("kvg-")
+    listed = run(["keys", "list"], work, KVGATE_DATABASE_URL="../srv/kvgate.db")
+    assert listed.returncode == 0 and listed.stderr.splitlines() == [shown], listed.stderr
+    assert key[:12] in listed.stdout and "kvgate" not in listed.stdout
+    stats = run(["stats", "--json", "--database-url", "../srv/kvgate.db"], work)
+    assert stats.returncode == 0 and stats.stderr.splitlines() == [shown], stats.stderr
+    revoked = run(["keys", "revoke", key[:12], "--database-url", str(database)], work)
+    assert revoked.returncode == 0 and revoked.stderr.splitlines() == [shown], revoked.stderr
+    assert list(work.iterdir()) == []
+
+    (work / "notes.db").write_text("not a database\n")
+    for path, why in (("notes.db", f"{work / 'notes.db'} is not a SQLite database"),
+                      (".", f"{work} is a directory, not a SQLite database file")):
+        for command in (["keys", "list"], ["stats"], ["migrate"], ["serve", "--upstream", "x=http://127.0.0.1:9/v1"]):
+            refused = run([*command, "--database-url", path], work)
+            assert refused.returncode == 1, (command, refused.stderr)
+            assert refused.stderr == f"kvgate: {why}\n", (command, refused.stderr)
 
 
 def test_migrate_command(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from gateway.api.engine_app import create_engine_app
+from gateway.engine.settings import EngineSettings
 from gateway.settings import Settings, UpstreamSettings
 from tests.conftest import Gateway, new_key, start_gateway
 from tests.servers import serve_in_thread
@@ -87,6 +88,45 @@ def test_engine_server_behind_gateway_keeps_tenants_apart(sqlite_url: str) -> No
             assert cached(gateway.api_key) == 0
             assert cached(gateway.api_key) > 0
             assert cached(other_key) == 0
+        finally:
+            gateways.close()
+
+
+def test_an_answer_cut_by_the_engines_default_cap_says_so(sqlite_url: str) -> None:
+    """A request with no max_tokens gets at most KVGATE_ENGINE__DEFAULT_MAX_TOKENS tokens: the answer
+    says so in x-kvgate-max-tokens-default, in-process (`kvgate serve` with no upstream) and through
+    `kvgate engine` as an upstream (issue 44, item 3). A client's own max_tokens gets no header."""
+    essay = [{"role": "user", "content": "Write a 300 word essay about the sea."}]
+    engine = EngineSettings(default_max_tokens=6)
+
+    def check(gateway: Gateway) -> None:
+        client = sdk(gateway)
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=essay,
+                                                              extra_headers=NO_RESPONSE_CACHE)
+        cut = raw.parse()
+        assert cut.choices[0].finish_reason == "length" and cut.usage is not None
+        assert cut.usage.completion_tokens == 6
+        assert raw.headers["x-kvgate-max-tokens-default"] == "6"
+        with client.chat.completions.with_streaming_response.create(
+                model=MODEL, messages=essay, stream=True, extra_headers=NO_RESPONSE_CACHE) as streamed:
+            assert streamed.headers["x-kvgate-max-tokens-default"] == "6"
+            finish = [c.choices[0].finish_reason for c in streamed.parse() if c.choices]
+        assert finish[-1] == "length"
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=essay, max_tokens=4,
+                                                              extra_headers=NO_RESPONSE_CACHE)
+        assert raw.parse().choices[0].finish_reason == "length"
+        assert "x-kvgate-max-tokens-default" not in raw.headers
+
+    gateways = start_gateway("http://unused", sqlite_url, upstreams=[], engine=engine)
+    try:
+        check(next(gateways))
+    finally:
+        gateways.close()
+    with serve_in_thread(create_engine_app(Settings(_env_file=None, engine=engine))) as engine_url:
+        upstream = UpstreamSettings(name="engine", base_url=engine_url + "/v1", send_cache_salt=True)
+        gateways = start_gateway("http://unused", sqlite_url, upstreams=[upstream])
+        try:
+            check(next(gateways))
         finally:
             gateways.close()
 

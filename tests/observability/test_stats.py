@@ -103,6 +103,8 @@ def test_stats_on_a_database_without_tables_says_so_and_creates_nothing(tmp_path
         empty = subprocess.run([sys.executable, "-m", "gateway", "stats", "--database-url", url], cwd=tmp_path,
                                capture_output=True, text=True, timeout=120)
         assert empty.returncode == 1
-        assert len(empty.stderr.strip().splitlines()) == 1 and "no kvgate tables" in empty.stderr
+        # The database it used (a server database: its URL without the password), then why it stopped.
+        assert len(empty.stderr.strip().splitlines()) == 2 and "no kvgate tables" in empty.stderr
+        assert empty.stderr.startswith(f"kvgate: database {url}\n")
         assert "SELECT" not in empty.stderr
         assert table_names(url) == set()

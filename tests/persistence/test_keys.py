@@ -64,6 +64,8 @@ def test_expiry_revocation_and_admin_keys(url: str) -> None:
 
 def test_keys_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = ["--database-url", f"sqlite+aiosqlite:///{tmp_path / 'cli.db'}"]
+    assert main(["migrate", *db]) == 0  # the key commands use an existing database only
+    capsys.readouterr()
     assert main(["keys", "create", "--tenant", "acme", "--expires-in", "2h", *db]) == 0
     key = capsys.readouterr().out.strip()
     assert main(["keys", "create", "--admin", *db]) == 0

@@ -3,10 +3,16 @@ legacy completions cached exactly, through the openai SDK; tenants kept apart.""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
 from openai import OpenAI
 
 from tests.api.conftest import count, entries, last_request, wait_stored
 from tests.conftest import Gateway, new_key
+from tests.persistence.test_request_log import wait_for_rows
 
 
 def sdk(gateway: Gateway, key: str | None = None) -> OpenAI:
@@ -46,6 +52,30 @@ def test_embedding_batch_part_from_cache(gw: Gateway, fake_upstream: str) -> Non
     raw = client.embeddings.with_raw_response.create(model="fake-embed", input="gamma three",
                                                      encoding_format="float", dimensions=4)
     assert raw.headers["x-kvgate-cache"] == "miss", "dimensions are part of the key"
+
+
+def test_embedding_requests_logged_with_their_cache_status(gw: Gateway, repo_root: Path) -> None:
+    """Misses are logged as misses (they were logged with no status, so `kvgate stats` and the
+    dashboard counted only the hits as lookups: 100% hits when half were misses; issue 44, item 6)."""
+    client = sdk(gw, new_key(gw.database_url, "team-embed-log"))
+    statuses: dict[str, str] = {}
+    for inputs in (["log one"], ["log two"], ["log one"], ["log two"], ["log one", "log three"]):
+        stored = entries(gw)
+        raw = client.embeddings.with_raw_response.create(model="fake-embed", input=inputs, encoding_format="float")
+        statuses[raw.headers["x-request-id"]] = raw.headers["x-kvgate-cache"]
+        if raw.headers["x-kvgate-cache"] != "hit-exact":
+            wait_stored(gw, stored + 1)
+    assert list(statuses.values()) == ["miss", "miss", "hit-exact", "hit-exact", "hit-partial"]
+    rows = wait_for_rows(gw.database_url, set(statuses))
+    assert {request_id: row.cache for request_id, row in rows.items()} == statuses
+    assert {row.route for row in rows.values()} == {"embeddings"}
+
+    stats = subprocess.run([sys.executable, "-m", "gateway", "stats", "--json", "--database-url", gw.database_url],
+                           cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert stats.returncode == 0, stats.stderr
+    tenant = next(t for t in orjson.loads(stats.stdout)["tenants"] if t["tenant"] == "team-embed-log")
+    assert tenant["requests"] == 5
+    assert tenant["exact_hit_rate"] == 0.5, "two exact hits of four lookups (a partial hit counts as neither)"
 
 
 def test_completions_cached_exactly(gw: Gateway, fake_upstream: str) -> None:

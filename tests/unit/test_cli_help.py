@@ -103,3 +103,63 @@ def test_benchmarks_that_import_the_engine_are_marked() -> None:
     found = {name for name, module in BENCHMARKS.items() if needs_engine(module, set())}
     assert found <= ENGINE_BENCHMARKS, f"import the engine, not in ENGINE_BENCHMARKS: {found - ENGINE_BENCHMARKS}"
     assert {"codec", "ttft", "fuse"} <= found
+
+
+def test_serve_help_names_the_engines_token_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    """The built-in engine's cap on answers without max_tokens is in `kvgate serve --help`, with the
+    header a cut answer carries (issue 44, item 3)."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "at most 256 tokens (KVGATE_ENGINE__DEFAULT_MAX_TOKENS)" in shown
+    assert "x-kvgate-max-tokens-default" in shown
+
+
+def test_every_option_explains_itself_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every option and argument of every command has help text; one with a default names it
+    (issue 44, item 5)."""
+    import argparse
+
+    from gateway.cli import build_parser
+
+    def parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+        found = [parser]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    found += parsers(sub)
+        return found
+
+    checked = 0
+    for parser in parsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction) or parser.prog in (
+                    "kvgate bench", "kvgate eval"):
+                continue
+            assert action.help, f"{parser.prog} {action.dest} has no help text"
+            if action.option_strings and (action.default is not None or action.dest in ("host", "port")):
+                assert "default" in action.help, f"{parser.prog} {action.option_strings[0]} names no default"
+            checked += 1
+    assert checked >= 20
+    with pytest.raises(SystemExit):
+        main(["migrate", "--help"])
+    assert "(default: head)" in capsys.readouterr().out
+
+
+def test_bench_help_lists_each_benchmark_with_a_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvgate bench --help` names every benchmark with the first sentence of its docstring, read
+    without importing it (torch, for the engine's)."""
+    import subprocess
+    import sys
+
+    from gateway.cli import BENCHMARKS
+
+    assert main(["bench", "--help"]) == 0
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ")}
+    assert set(rows) == set(BENCHMARKS)
+    assert rows["overhead"] == "what a gateway adds on top of its upstream."
+    assert all(len(line) <= 96 for line in rows.values())
+    probe = "import sys; from gateway.cli import main; main(['bench', '--help']); print('torch' in sys.modules)"
+    shown = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert shown.stdout.splitlines()[-1] == "False", "the listing imported torch"
