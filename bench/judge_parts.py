@@ -20,7 +20,7 @@ out-of-fold machinery `semantic_train` needs, the trees are fit here on the *cal
 retrieval examples (where every extra model is out of sample) and read on the validation split:
 strict precision at fixed recalls, each query served its most probable candidate, exactly as
 `semantic_train.curve`. Fewer training examples than `semantic_train` has, so the "ships" row reads
-a little below the README's; the rows are comparable with each other.
+a little below docs/caches.md's; the rows are comparable with each other.
 
 Needs torch and sentence-transformers (`pip install -e '.[sentence-transformers]'`). About 25
 minutes on two cores: the cross-encoder's epoch is most of it.

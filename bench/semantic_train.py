@@ -33,7 +33,7 @@ tuned anywhere: the thresholds the gateway uses are read from the calibration cu
    The trees' last feature is the logit of a pair head (`verifier.PairHead`, `fit_head`), trained on
    the training split's pair labels; for the trees' own training examples it comes from a head
    trained on the other half of the training components (`out_of_fold_heads`). On all QQP pairs'
-   validation split it lifts English precision at recall 0.25 from 0.826 to 0.842 (README).
+   validation split it lifts English precision at recall 0.25 from 0.826 to 0.842 (docs/caches.md, "Judge quality").
 4. Calibration, per language, on the calibration split only: each query gets what `best_match`
    would serve; the curve maps a probability threshold to the strict false-hit rate (wrong hits /
    lookups, a hit right only on its own pair's `a`). The gateway takes the lowest threshold whose

@@ -9,7 +9,7 @@ every first sighting also refuses those hits: alone, in a single tier, it pays o
 small to keep a conversation until its next turn. Above a slower tier that takes every block it
 pays everywhere measured: the refused first sighting lands below, its first reuse promotes it
 into the upper tier (promotions are reuses, never asked), and the upper tier keeps what returns
-(README, "Sizing the KV tiers", has the numbers).
+(docs/benchmarks.md, "Trace replay", has the numbers).
 
 * `always`: take every block (the behaviour without admission).
 * `second-hit`: take a block only when it was seen in an earlier request, remembered over the last

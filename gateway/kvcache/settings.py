@@ -83,7 +83,7 @@ class KVCacheSettings(BaseModel):
         default=EvictionPolicyName.S3FIFO, description="Eviction order inside each bounded tier."
     )
     # auto: second-hit where a slower local tier takes what this one refuses (write-through), else
-    # always. Measured on the Mooncake trace (README, "Sizing the KV tiers"): as many prefix hits or
+    # always. Measured on the Mooncake trace (docs/benchmarks.md, "Trace replay"): as many prefix hits or
     # more, a tenth to a quarter of the writes to the upper tiers, more hits served by the device.
     device_admission: AdmissionName = Field(
         default=AdmissionName.AUTO, description="Which new blocks the full device tier takes (admission.py)."

@@ -13,8 +13,8 @@ def test_bench_name_help_is_that_benchmarks_own(capfd: pytest.CaptureFixture[str
     assert main(["bench", "cache-latency", "--help"]) == 0
     out = capfd.readouterr().out
     assert out.startswith("usage: kvgate bench cache-latency")
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    bench_row = next(line for line in readme.splitlines() if line.startswith("| `kvgate bench NAME"))
+    operations = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    bench_row = next(line for line in operations.splitlines() if line.startswith("| `kvgate bench NAME"))
     assert "`cache-latency`" in bench_row
 
 
