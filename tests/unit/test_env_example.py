@@ -42,6 +42,29 @@ def test_env_example_lists_every_setting() -> None:
             assert lines[i - 1].startswith("#"), f"{line.split('=')[0]} has no comment line"
 
 
+def test_env_example_lists_each_setting_once() -> None:
+    names = [line.split("=", 1)[0] for line in (ROOT / ".env.example").read_text().splitlines()
+             if line and not line.startswith("#")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
+
+
+FULL_REFERENCE = "# === Full reference"
+
+
+def test_env_example_opens_with_what_most_users_change() -> None:
+    """The settings a newcomer changes first (upstreams, the admin key, the database, the response
+    cache, the engine's token cap) come first, before a line pointing at the full reference
+    (issue 44, item 5)."""
+    text = (ROOT / ".env.example").read_text()
+    first, marker, _ = text.partition(FULL_REFERENCE)
+    assert marker, f"no {FULL_REFERENCE!r} line"
+    names = {line.split("=", 1)[0] for line in first.splitlines() if line and not line.startswith("#")}
+    assert {"KVGATE_UPSTREAM", "KVGATE_UPSTREAMS", "KVGATE_ADMIN_KEY", "KVGATE_DATABASE_URL",
+            "KVGATE_RESPONSECACHE__ENABLED", "KVGATE_RESPONSECACHE__SEMANTIC",
+            "KVGATE_ENGINE__DEFAULT_MAX_TOKENS"} <= names
+    assert len(names) <= 12, "the first group is the few settings most users change, not a second reference"
+
+
 def test_env_example_values_are_valid(tmp_path: Path) -> None:
     """Its values, read the way a user's `.env` is read, give a valid configuration."""
     settings = Settings(_env_file=ROOT / ".env.example")
