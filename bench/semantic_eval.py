@@ -3,7 +3,7 @@
 FILE is JSON lines `{"a", "b", "label"}` (gzipped or not); without `--pairs`, a small hand-written
 English and Chinese sample shipped in the package (`gateway/responsecache/semantic/data/sample_pairs.jsonl`)
 is used, so the command runs from any checkout. The full sets are read by path, e.g.
-`--pairs ../shared/data/lcqmc/dev.jsonl.gz`. Every `a` goes into one fresh cache partition as a
+`--pairs PATH/lcqmc/dev.jsonl.gz`. Every `a` goes into one fresh cache partition as a
 stored question; every `b` is asked. It runs the gateway's own code: the cheap stage on sketches (`plausible`),
 the embedder, the FAISS index and `best_match` with the verifier at the configured target
 false-hit rate; a stored question enters the judge's index once a lookup's cheap stage named it,
@@ -49,15 +49,15 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 import gateway.responsecache.semantic
+from bench.progress import Stage
 from gateway.responsecache.keys import PartitionKey
 from gateway.responsecache.semantic.embedder import DIMENSIONS, encode, load_model
 from gateway.responsecache.semantic.index import VectorIndex, embeddings_index, sketches_index
@@ -139,10 +139,10 @@ def subsample(pairs: list[Pair], limit: int, seed: int = 0) -> list[Pair]:
 def embed_texts(model: Any, texts: list[str], progress: bool = True) -> dict[str, np.ndarray]:
     unique = sorted(set(texts), key=len)
     vectors: list[np.ndarray] = []
-    with tqdm(total=len(unique), desc="embedding", unit="text", disable=not progress, file=sys.stderr) as bar:
+    with Stage("embedding", len(unique), unit="text", enabled=progress) as stage:
         for start in range(0, len(unique), EMBED_BATCH):
             vectors.append(encode(model, unique[start:start + EMBED_BATCH]))
-            bar.update(len(vectors[-1]))
+            stage.update(len(vectors[-1]))
     stacked = np.concatenate(vectors) if vectors else np.zeros((0, DIMENSIONS), np.float32)
     return dict(zip(unique, stacked, strict=True))
 
@@ -223,7 +223,7 @@ def judged(pair: Pair, score: float | None, returned: str | None, dups: Duplicat
     return Outcome(score, strict, strict or (dups is not None and dups.right(pair, returned)), pair.label)
 
 
-def score(pairs: list[Pair], index: VectorIndex | StagedCache, vectors: dict[str, np.ndarray],
+def score(pairs: Iterable[Pair], index: VectorIndex | StagedCache, vectors: dict[str, np.ndarray],
           verifier: Verifier, dups: Duplicates | None = None) -> list[Outcome]:
     """Per query: what the gateway serves (`StagedCache`: cheap stage, then the judge), or what the
     judge alone would serve with every stored question embedded (a `VectorIndex`), judged."""
@@ -237,7 +237,7 @@ def score(pairs: list[Pair], index: VectorIndex | StagedCache, vectors: dict[str
     return results
 
 
-def top1_cosine(pairs: list[Pair], index: VectorIndex, vectors: dict[str, np.ndarray],
+def top1_cosine(pairs: Iterable[Pair], index: VectorIndex, vectors: dict[str, np.ndarray],
                 dups: Duplicates | None = None) -> list[Outcome]:
     out = []
     for pair in pairs:
@@ -286,7 +286,7 @@ def judged_miss(outcome: Outcome) -> Outcome:
     return Outcome(None, False, False, outcome.label)
 
 
-def timed_lookups(model: Any, pairs: list[Pair], index: VectorIndex, verifier: Verifier | None) -> list[float]:
+def timed_lookups(model: Any, pairs: Iterable[Pair], index: VectorIndex, verifier: Verifier | None) -> list[float]:
     """Milliseconds per lookup, embedding included: what a request pays."""
     times = []
     for pair in pairs:
@@ -348,25 +348,29 @@ def strict_row(outcomes: list[Outcome], num_positive: int) -> dict[str, Any]:
 
 
 def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifier,
-             dups: Duplicates | None, fillers: Sequence[str] = (), sketcher: Sketcher | None = None) -> dict[str, Any]:
+             dups: Duplicates | None, fillers: Sequence[str] = (), sketcher: Sketcher | None = None,
+             progress: bool = False) -> dict[str, Any]:
     """Store every `a` (and `fillers`), ask every `b`: strict rows overall and per language, each
     with the cosine baseline at its recall, and the duplicate-aware reading. With `sketcher`, the
     rows are what the gateway serves (cheap stage first) and each says what the cheap stage cost:
     the share of lookups it ended, and the hits the judge alone (every question embedded) served
-    that the staged lookup did not."""
+    that the staged lookup did not. `progress`: one progress display per stage, on stderr."""
     index = build_index(pairs, vectors, fillers)
     queries = without_exact_twins(pairs)
-    alone = score(queries, index, vectors, verifier, dups)
+    with Stage("judge alone (every question embedded)", len(queries), unit="lookup", enabled=progress) as stage:
+        alone = score(stage.iterate(queries), index, vectors, verifier, dups)
     staged = StagedCache(stored_metas(pairs, vectors, fillers, sketcher), sketcher) if sketcher else None
     ruled_out: list[bool] = []
     outcomes = alone
     if staged is not None:
         outcomes = []
-        for pair in queries:
-            before = staged.num_ruled_out
-            outcomes.extend(score([pair], staged, vectors, verifier, dups))
-            ruled_out.append(staged.num_ruled_out > before)
-    cosines = top1_cosine(queries, index, vectors, dups)
+        with Stage("staged lookup (as served)", len(queries), unit="lookup", enabled=progress) as stage:
+            for pair in stage.iterate(queries):
+                before = staged.num_ruled_out
+                outcomes.extend(score([pair], staged, vectors, verifier, dups))
+                ruled_out.append(staged.num_ruled_out > before)
+    with Stage("cosine baseline", len(queries), unit="lookup", enabled=progress) as stage:
+        cosines = top1_cosine(stage.iterate(queries), index, vectors, dups)
     languages = [str(language_of(p.b) or "other") for p in queries]
     result: dict[str, Any] = {"queries": len(queries), "exact_twins": len(pairs) - len(queries), "languages": {}}
     groups = {"all": list(range(len(queries)))}
@@ -434,7 +438,7 @@ def print_report(result: dict[str, Any], title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvgate eval semantic", description=__doc__.split("\n")[0],
-                                     epilog="Example: kvgate eval semantic --pairs ../shared/data/lcqmc/dev.jsonl.gz")
+                                     epilog="Example: kvgate eval semantic --pairs PATH/lcqmc/dev.jsonl.gz")
     parser.add_argument("--pairs", type=Path, default=SAMPLE_PAIRS,
                         help="JSON lines {a, b, label}, gzipped or not (default: the small sample in the package)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -469,11 +473,13 @@ def main(argv: list[str] | None = None) -> int:
                              if args.domain_guard else None)
     vectors = load_vectors(model, [p.a for p in pairs] + [p.b for p in pairs], args.embeddings_cache,
                            progress=not args.json)
-    result = evaluate(pairs, vectors, verifier, dups, sketcher=Sketcher.load())
+    result = evaluate(pairs, vectors, verifier, dups, sketcher=Sketcher.load(), progress=not args.json)
     index = build_index(pairs, vectors)
     sample = subsample(without_exact_twins(pairs), TIMED_QUERIES, seed=1)
-    times = timed_lookups(model, sample, index, verifier)
-    base_times = timed_lookups(model, sample, index, None)
+    with Stage("timed lookups, kvgate", len(sample), unit="lookup", enabled=not args.json) as stage:
+        times = timed_lookups(model, stage.iterate(sample), index, verifier)
+    with Stage("timed lookups, cosine only", len(sample), unit="lookup", enabled=not args.json) as stage:
+        base_times = timed_lookups(model, stage.iterate(sample), index, None)
     result.update(p50_ms=round(percentile(times, 50), 3), p99_ms=round(percentile(times, 99), 3),
                   baseline_p50_ms=round(percentile(base_times, 50), 3), pairs_used=len(pairs),
                   pairs_in_file=len(all_pairs), max_false_hit_rate=args.max_false_hit_rate,

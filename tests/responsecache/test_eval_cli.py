@@ -33,3 +33,15 @@ def test_default_run_uses_the_packaged_sample_and_reports_strict_first(tmp_path:
     low, high = report["precision_ci"]
     assert 0.0 <= low <= report["precision"] <= high <= 1.0
     assert "duplicate_aware" in report and "baseline" in report
+
+
+def test_progress_is_one_display_per_stage_in_plain_lines_off_a_terminal(tmp_path: Path) -> None:
+    """Its stderr is a pipe here: each stage prints plain lines, ending in one "done" line, and no
+    carriage return runs bars together on one line (issue 44, item 5)."""
+    result = run_eval("--limit", "40", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "\r" not in result.stderr
+    done = [line.split(": done, ")[0] for line in result.stderr.splitlines() if ": done, " in line]
+    assert done == ["embedding", "judge alone (every question embedded)", "staged lookup (as served)",
+                    "cosine baseline", "timed lookups, kvgate", "timed lookups, cosine only"]
+    assert "strict (a hit is right only on its own pair)" in result.stdout
