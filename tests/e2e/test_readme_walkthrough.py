@@ -56,8 +56,12 @@ def test_first_start_prints_keys_and_model_ids_in_a_frame(first_run: FirstRun) -
     assert first_run.models == [CHAT_MODEL, EMBEDDING_MODEL]
     framed = "".join(banner_lines(first_run.lines))
     assert first_run.api_key in framed and first_run.admin_key in framed and CHAT_MODEL in framed
-    # Everything else on the console is one JSON object per line: no progress bar among them.
+    # Everything else on the console is one JSON object per line (no progress bar among them), but
+    # the one line that says which database the server uses, before logging starts.
     others = [line for line in first_run.lines if line not in banner_lines(first_run.lines) and line.strip()]
+    located = [line for line in others if line.startswith("kvgate: database /") and line.rstrip().endswith("(SQLite)")]
+    assert len(located) == 1, others[:3]
+    others.remove(located[0])
     assert others, "no log lines at all"
     for line in others:
         assert isinstance(json.loads(line), dict), line
