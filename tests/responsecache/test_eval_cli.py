@@ -33,3 +33,34 @@ def test_default_run_uses_the_packaged_sample_and_reports_strict_first(tmp_path:
     low, high = report["precision_ci"]
     assert 0.0 <= low <= report["precision"] <= high <= 1.0
     assert "duplicate_aware" in report and "baseline" in report
+
+
+def test_an_extra_set_is_evaluated_in_a_cache_of_its_own(tmp_path: Path) -> None:
+    sample = REPO / "gateway" / "responsecache" / "data" / "sample_pairs.jsonl"
+    extra = tmp_path / "other-source.jsonl"
+    extra.write_text("".join(sample.read_text(encoding="utf-8").splitlines(keepends=True)[:20]), encoding="utf-8")
+    result = run_eval("--json", "--limit", "40", "--extra-set", str(extra), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["pairs_used"] == 40
+    row = report["extra_sets"][str(extra)]
+    assert row["pairs_in_file"] == row["pairs_used"] == 20
+    assert row["queries"] + row["exact_twins"] == 20
+    low, high = row["precision_ci"]
+    assert 0.0 <= low <= row["precision"] <= high <= 1.0
+
+
+def test_missing_extra_set_is_a_clear_error(tmp_path: Path) -> None:
+    result = run_eval("--extra-set", "atec.jsonl.gz", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "no pairs file at atec.jsonl.gz. Pass --extra-set PATH" in result.stderr
+
+
+def test_split_keeps_only_the_held_out_part_of_the_pairs(tmp_path: Path) -> None:
+    from bench.semantic_eval import SAMPLE_PAIRS, read_pairs
+    from bench.semantic_train import split
+
+    result = run_eval("--json", "--limit", "0", "--split", "validation", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["pairs_used"] == len(split(read_pairs(SAMPLE_PAIRS))[2])
