@@ -464,7 +464,7 @@ def evaluate_file(all_pairs: list[Pair], limit: int, model: Any, verifier: Verif
 
 
 def title(path: Path, result: dict[str, Any], bound: float) -> str:
-    return (f"semantic cache on {path.name}: {result['pairs_used']} of {result['pairs_in_file']} pairs stored, "
+    return (f"semantic cache on {path}: {result['pairs_used']} of {result['pairs_in_file']} pairs stored, "
             f"{result['queries']} asked ({result['positives']} label 1; {result['exact_twins']} "
             f"byte-identical to a stored question are the exact cache's), false-hit bound "
             f"{bound} (wrong hits / lookups)")
