@@ -31,6 +31,11 @@ questions across pairs (QQP): there the strict metric counts a hit on another pa
 very question asked as wrong. On a file whose label-1 pairs are dense (LCQMC) it links nearly
 everything and reads near 1.0: never a headline figure.
 
+`copies_right` is another secondary reading: the strict metric, except that a hit on the asked
+question itself (equal after lowercasing and dropping punctuation), stored under another pair,
+counts as right. The strict metric calls that hit wrong because it is not the pair's own `a`;
+in a cache it is the question asked (answered from the cache, it is the right answer).
+
 `baseline` is a plain fixed-threshold cosine cache (GPTCache, LiteLLM, RedisVL) on the same
 embeddings: the nearest neighbour is served when its cosine reaches a threshold, set here where it
 reaches the same recall as kvgate.
@@ -215,20 +220,23 @@ class StagedCache:
 
 @dataclass(slots=True, frozen=True)
 class Outcome:
-    """One lookup: the served hit's score (None: no hit), right per the issue's strict metric, and
-    right per the file's duplicates."""
+    """One lookup: the served hit's score (None: no hit), right per the issue's strict metric,
+    right per the file's duplicates, and right when the strict metric's only objection is that the
+    hit is the asked question itself, stored again under another pair (`right_copy`)."""
 
     score: float | None
     right: bool
     right_dup: bool
     label: int
+    right_copy: bool = False
 
 
 def judged(pair: Pair, score: float | None, returned: str | None, dups: Duplicates | None) -> Outcome:
     if returned is None:
         return Outcome(None, False, False, pair.label)
     strict = pair.label == 1 and returned == pair.a
-    return Outcome(score, strict, strict or (dups is not None and dups.right(pair, returned)), pair.label)
+    return Outcome(score, strict, strict or (dups is not None and dups.right(pair, returned)), pair.label,
+                   strict or normalized(returned) == normalized(pair.b))
 
 
 def score(pairs: list[Pair], index: VectorIndex | StagedCache, vectors: dict[str, np.ndarray],
@@ -262,11 +270,11 @@ def rates(num_hits: int, num_right: int, num_queries: int, num_positive: int) ->
             "hits": num_hits}
 
 
-def summary(outcomes: list[Outcome], num_positive: int, dup: bool = False) -> dict[str, float]:
+def summary(outcomes: list[Outcome], num_positive: int, dup: bool = False, copies: bool = False) -> dict[str, float]:
     served = [o for o in outcomes if o.score is not None]
-    if dup:
-        right = sum(o.right_dup for o in served)
-        found = sum(o.right_dup and o.label == 1 for o in served)
+    if dup or copies:
+        right = sum(o.right_copy if copies else o.right_dup for o in served)
+        found = sum((o.right_copy if copies else o.right_dup) and o.label == 1 for o in served)
         return {"precision": right / len(served) if served else 1.0,
                 "recall": found / num_positive if num_positive else 0.0,
                 "false_hit_rate": (len(served) - right) / len(outcomes) if outcomes else 0.0, "hits": len(served)}
@@ -389,6 +397,8 @@ def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifi
         dup = summary(mine, num_positive, dup=True)
         dup["baseline"] = baseline_at_recall(base, dup["recall"], num_positive, dup=True)
         strict["duplicate_aware"] = dup
+        copies = summary(mine, num_positive, copies=True)
+        strict["copies_right"] = copies
         if staged is not None:
             lost = [i for i in rows if alone[i].score is not None and outcomes[i].score is None]
             strict["cheap_stage"] = {
@@ -398,7 +408,7 @@ def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifi
                 "judge_alone": {k: round(v, 4) for k, v in summary([alone[i] for i in rows], num_positive).items()},
                 "hits_changed": sum(alone[i].score is not None and outcomes[i].score is not None
                                     and alone[i].right != outcomes[i].right for i in rows)}
-        for row in (strict, strict["baseline"], dup, dup["baseline"]):
+        for row in (strict, strict["baseline"], dup, dup["baseline"], copies):
             for key in ("precision", "recall", "false_hit_rate"):
                 row[key] = round(row[key], 4)
         if name == "all":
@@ -438,6 +448,10 @@ def print_report(result: dict[str, Any], title: str) -> None:
     print(f"secondary, duplicate-aware (also right on a question the file's label-1 pairs link to b; "
           f"meaningful on QQP-like files only): precision {dup['precision']:.3f}, recall {dup['recall']:.3f}, "
           f"cosine at that recall {dup['baseline']['precision']:.3f}")
+    copies = result["copies_right"]
+    print(f"secondary, copies right (also right on the asked question itself, equal after lowercasing and "
+          f"dropping punctuation, stored under another pair): precision {copies['precision']:.3f}, "
+          f"recall {copies['recall']:.3f}")
 
 
 def pairs_from(path: Path, flag: str) -> list[Pair] | str:

@@ -64,3 +64,17 @@ def test_split_keeps_only_the_held_out_part_of_the_pairs(tmp_path: Path) -> None
     result = run_eval("--json", "--limit", "0", "--split", "validation", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout)["pairs_used"] == len(split(read_pairs(SAMPLE_PAIRS))[2])
+
+
+def test_copies_right_reading_counts_the_asked_question_stored_again_as_right() -> None:
+    from bench.semantic_eval import Pair, judged, summary
+
+    pair = Pair("How can I reset the password of my router?", "How do I reset my router's password?", 1)
+    own = judged(pair, 0.99, pair.a, None)
+    copy = judged(pair, 0.99, "how do I reset my router's password", None)
+    other = judged(pair, 0.99, "How do I reset my modem?", None)
+    assert (own.right, own.right_copy) == (True, True)
+    assert (copy.right, copy.right_copy) == (False, True)
+    assert (other.right, other.right_copy) == (False, False)
+    assert summary([copy, other], 1)["precision"] == 0.0
+    assert summary([copy, other], 1, copies=True) == {"precision": 0.5, "recall": 1.0, "false_hit_rate": 0.5, "hits": 2}
