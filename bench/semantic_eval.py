@@ -1,4 +1,4 @@
-"""`kvgate eval semantic [--pairs FILE] [--json]`: precision and recall of the semantic cache.
+"""`kvgate eval semantic [--pairs FILE] [--extra-set FILE ...] [--json]`: precision and recall of the semantic cache.
 
 FILE is JSON lines `{"a", "b", "label"}` (gzipped or not); without `--pairs`, a small hand-written
 English and Chinese sample shipped in the package (`gateway/responsecache/semantic/data/sample_pairs.jsonl`)
@@ -31,13 +31,25 @@ questions across pairs (QQP): there the strict metric counts a hit on another pa
 very question asked as wrong. On a file whose label-1 pairs are dense (LCQMC) it links nearly
 everything and reads near 1.0: never a headline figure.
 
+`copies_right` is another secondary reading: the strict metric, except that a hit on the asked
+question itself (equal after lowercasing and dropping punctuation), stored under another pair,
+counts as right. The strict metric calls that hit wrong because it is not the pair's own `a`;
+in a cache it is the question asked (answered from the cache, it is the right answer).
+
 `baseline` is a plain fixed-threshold cosine cache (GPTCache, LiteLLM, RedisVL) on the same
 embeddings: the nearest neighbour is served when its cosine reaches a threshold, set here where it
 reaches the same recall as kvgate.
 
+`--split validation` (or `train`, `calibration`) keeps only that part of the `--pairs` file as
+`bench.semantic_train` splits it (by question component): `--pairs ../shared/data/lcqmc/dev.jsonl.gz
+--split validation --limit 0` is the judge's held-out validation split, never trained or calibrated on.
+`--extra-set FILE` (repeatable) evaluates another pairs file the same way, in a cache of its own
+(no latency timing): a set from another source than the judge's training data, say, read beside
+the main one (`--pairs VALIDATION --extra-set ATEC`), so a change to the judge is seen on both.
+
 Embedding is most of the runtime, so large files are subsampled to `--limit` pairs (seeded;
-`--limit 0` = all); the output says how many were used. `--embeddings-cache DIR` keeps the
-embeddings on disk between runs.
+`--limit 0` = all; the extra sets too); the output says how many were used. `--embeddings-cache
+DIR` keeps the embeddings on disk between runs (keyed by text: one directory serves every file).
 """
 
 from __future__ import annotations
@@ -74,6 +86,7 @@ PARTITION = PartitionKey("eval")
 DEFAULT_LIMIT = 4000
 TIMED_QUERIES = 300
 EMBED_BATCH = 32
+SPLITS = ("train", "calibration", "validation")  # bench.semantic_train.split's order
 
 
 @dataclass(slots=True, frozen=True)
@@ -207,20 +220,23 @@ class StagedCache:
 
 @dataclass(slots=True, frozen=True)
 class Outcome:
-    """One lookup: the served hit's score (None: no hit), right per the issue's strict metric, and
-    right per the file's duplicates."""
+    """One lookup: the served hit's score (None: no hit), right per the issue's strict metric,
+    right per the file's duplicates, and right when the strict metric's only objection is that the
+    hit is the asked question itself, stored again under another pair (`right_copy`)."""
 
     score: float | None
     right: bool
     right_dup: bool
     label: int
+    right_copy: bool = False
 
 
 def judged(pair: Pair, score: float | None, returned: str | None, dups: Duplicates | None) -> Outcome:
     if returned is None:
         return Outcome(None, False, False, pair.label)
     strict = pair.label == 1 and returned == pair.a
-    return Outcome(score, strict, strict or (dups is not None and dups.right(pair, returned)), pair.label)
+    return Outcome(score, strict, strict or (dups is not None and dups.right(pair, returned)), pair.label,
+                   strict or normalized(returned) == normalized(pair.b))
 
 
 def score(pairs: Iterable[Pair], index: VectorIndex | StagedCache, vectors: dict[str, np.ndarray],
@@ -254,11 +270,11 @@ def rates(num_hits: int, num_right: int, num_queries: int, num_positive: int) ->
             "hits": num_hits}
 
 
-def summary(outcomes: list[Outcome], num_positive: int, dup: bool = False) -> dict[str, float]:
+def summary(outcomes: list[Outcome], num_positive: int, dup: bool = False, copies: bool = False) -> dict[str, float]:
     served = [o for o in outcomes if o.score is not None]
-    if dup:
-        right = sum(o.right_dup for o in served)
-        found = sum(o.right_dup and o.label == 1 for o in served)
+    if dup or copies:
+        right = sum(o.right_copy if copies else o.right_dup for o in served)
+        found = sum((o.right_copy if copies else o.right_dup) and o.label == 1 for o in served)
         return {"precision": right / len(served) if served else 1.0,
                 "recall": found / num_positive if num_positive else 0.0,
                 "false_hit_rate": (len(served) - right) / len(outcomes) if outcomes else 0.0, "hits": len(served)}
@@ -385,6 +401,8 @@ def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifi
         dup = summary(mine, num_positive, dup=True)
         dup["baseline"] = baseline_at_recall(base, dup["recall"], num_positive, dup=True)
         strict["duplicate_aware"] = dup
+        copies = summary(mine, num_positive, copies=True)
+        strict["copies_right"] = copies
         if staged is not None:
             lost = [i for i in rows if alone[i].score is not None and outcomes[i].score is None]
             strict["cheap_stage"] = {
@@ -394,7 +412,7 @@ def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifi
                 "judge_alone": {k: round(v, 4) for k, v in summary([alone[i] for i in rows], num_positive).items()},
                 "hits_changed": sum(alone[i].score is not None and outcomes[i].score is not None
                                     and alone[i].right != outcomes[i].right for i in rows)}
-        for row in (strict, strict["baseline"], dup, dup["baseline"]):
+        for row in (strict, strict["baseline"], dup, dup["baseline"], copies):
             for key in ("precision", "recall", "false_hit_rate"):
                 row[key] = round(row[key], 4)
         if name == "all":
@@ -434,6 +452,40 @@ def print_report(result: dict[str, Any], title: str) -> None:
     print(f"secondary, duplicate-aware (also right on a question the file's label-1 pairs link to b; "
           f"meaningful on QQP-like files only): precision {dup['precision']:.3f}, recall {dup['recall']:.3f}, "
           f"cosine at that recall {dup['baseline']['precision']:.3f}")
+    copies = result["copies_right"]
+    print(f"secondary, copies right (also right on the asked question itself, equal after lowercasing and "
+          f"dropping punctuation, stored under another pair): precision {copies['precision']:.3f}, "
+          f"recall {copies['recall']:.3f}")
+
+
+def pairs_from(path: Path, flag: str) -> list[Pair] | str:
+    """The pairs in `path`, or the message that says why there are none."""
+    if not path.is_file():
+        return (f"kvgate eval semantic: no pairs file at {path}. Pass {flag} PATH to a JSON-lines file "
+                "of {\"a\", \"b\", \"label\"} (for example the QQP or LCQMC sets, read where they are), or "
+                "leave --pairs out to run the sample shipped in the package.")
+    try:
+        return read_pairs(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"kvgate eval semantic: cannot read {path} as JSON lines of {{a, b, label}}: {exc}"
+
+
+def evaluate_file(all_pairs: list[Pair], limit: int, model: Any, verifier: Verifier, sketcher: Sketcher,
+                  cache: Path | None, progress: bool) -> tuple[list[Pair], dict[str, np.ndarray], dict[str, Any]]:
+    """One pairs file in a fresh cache, as served (cheap stage first): its sample, the sample's
+    vectors and the result."""
+    pairs = subsample(all_pairs, limit)
+    vectors = load_vectors(model, [p.a for p in pairs] + [p.b for p in pairs], cache, progress=progress)
+    result = evaluate(pairs, vectors, verifier, Duplicates(all_pairs), sketcher=sketcher, progress=progress)
+    result.update(pairs_used=len(pairs), pairs_in_file=len(all_pairs))
+    return pairs, vectors, result
+
+
+def title(path: Path, result: dict[str, Any], bound: float) -> str:
+    return (f"semantic cache on {path}: {result['pairs_used']} of {result['pairs_in_file']} pairs stored, "
+            f"{result['queries']} asked ({result['positives']} label 1; {result['exact_twins']} "
+            f"byte-identical to a stored question are the exact cache's), false-hit bound "
+            f"{bound} (wrong hits / lookups)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,6 +493,11 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Example: kvgate eval semantic --pairs PATH/lcqmc/dev.jsonl.gz")
     parser.add_argument("--pairs", type=Path, default=SAMPLE_PAIRS,
                         help="JSON lines {a, b, label}, gzipped or not (default: the small sample in the package)")
+    parser.add_argument("--extra-set", dest="extra_sets", type=Path, action="append", default=[],
+                        help="another pairs file, evaluated the same way in a cache of its own (repeatable)")
+    parser.add_argument("--split", choices=SPLITS,
+                        help="only this part of the --pairs file, as bench.semantic_train splits it "
+                             "(by question component)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="pairs to use (seeded sample; 0 = all)")
     parser.add_argument("--max-false-hit-rate", "--target-false-hit-rate", dest="max_false_hit_rate", type=float,
@@ -455,25 +512,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embeddings-cache", type=Path, help="directory that keeps embeddings between runs")
     args = parser.parse_args(argv)
 
-    if not args.pairs.is_file():
-        print(f"kvgate eval semantic: no pairs file at {args.pairs}. Pass --pairs PATH to a JSON-lines file "
-              "of {\"a\", \"b\", \"label\"} (for example the QQP or LCQMC sets, read where they are), or "
-              "leave --pairs out to run the sample shipped in the package.", file=sys.stderr)
-        return 2
-    try:
-        all_pairs = read_pairs(args.pairs)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"kvgate eval semantic: cannot read {args.pairs} as JSON lines of {{a, b, label}}: {exc}",
-              file=sys.stderr)
-        return 2
-    pairs = subsample(all_pairs, args.limit)
-    dups = Duplicates(all_pairs)
+    files: list[tuple[Path, list[Pair]]] = []
+    for path, flag in [(args.pairs, "--pairs"), *((extra, "--extra-set") for extra in args.extra_sets)]:
+        pairs_or_error = pairs_from(path, flag)
+        if isinstance(pairs_or_error, str):
+            print(pairs_or_error, file=sys.stderr)
+            return 2
+        files.append((path, pairs_or_error))
+    if args.split:
+        from bench.semantic_train import split  # it imports this module
+
+        files[0] = (files[0][0], split(files[0][1])[SPLITS.index(args.split)])
     model = load_model()
     verifier = Verifier.load(args.max_false_hit_rate, unfamiliar_false_hit_rate=args.unfamiliar_false_hit_rate
                              if args.domain_guard else None)
-    vectors = load_vectors(model, [p.a for p in pairs] + [p.b for p in pairs], args.embeddings_cache,
-                           progress=not args.json)
-    result = evaluate(pairs, vectors, verifier, dups, sketcher=Sketcher.load(), progress=not args.json)
+    sketcher = Sketcher.load()
+    pairs, vectors, result = evaluate_file(files[0][1], args.limit, model, verifier, sketcher, args.embeddings_cache,
+                                           progress=not args.json)
     index = build_index(pairs, vectors)
     sample = subsample(without_exact_twins(pairs), TIMED_QUERIES, seed=1)
     with Stage("timed lookups, kvgate", len(sample), unit="lookup", enabled=not args.json) as stage:
@@ -481,18 +536,21 @@ def main(argv: list[str] | None = None) -> int:
     with Stage("timed lookups, cosine only", len(sample), unit="lookup", enabled=not args.json) as stage:
         base_times = timed_lookups(model, stage.iterate(sample), index, None)
     result.update(p50_ms=round(percentile(times, 50), 3), p99_ms=round(percentile(times, 99), 3),
-                  baseline_p50_ms=round(percentile(base_times, 50), 3), pairs_used=len(pairs),
-                  pairs_in_file=len(all_pairs), max_false_hit_rate=args.max_false_hit_rate,
+                  baseline_p50_ms=round(percentile(base_times, 50), 3), max_false_hit_rate=args.max_false_hit_rate,
                   verifier_thresholds={str(k): v for k, v in verifier.thresholds.items()}, timed_queries=len(sample))
+    extras = {str(path): evaluate_file(extra, args.limit, model, verifier, sketcher, args.embeddings_cache,
+                                       progress=not args.json)[2] for path, extra in files[1:]}
+    if extras:
+        result["extra_sets"] = extras
     if args.json:
         print(json.dumps(result))
         return 0
-    print_report(result, f"semantic cache on {args.pairs.name}: {len(pairs)} of {len(all_pairs)} pairs stored, "
-                         f"{result['queries']} asked ({result['positives']} label 1; {result['exact_twins']} "
-                         f"byte-identical to a stored question are the exact cache's), false-hit bound "
-                         f"{args.max_false_hit_rate} (wrong hits / lookups)")
+    print_report(result, title(args.pairs, result, args.max_false_hit_rate))
     print(f"latency of one lookup incl. embedding ({len(sample)} queries): kvgate p50 {result['p50_ms']:.2f} ms, "
           f"p99 {result['p99_ms']:.2f} ms; cosine-only p50 {result['baseline_p50_ms']:.2f} ms")
+    for path, _ in files[1:]:
+        print()
+        print_report(extras[str(path)], title(path, extras[str(path)], args.max_false_hit_rate))
     return 0
 
 

@@ -37,3 +37,28 @@ def test_out_of_fold_heads_cannot_recall_their_own_pairs() -> None:
                                  for p in pairs]))
     assert memorised > 0.75, memorised
     assert abs(out_of_fold - 0.5) < 0.1, out_of_fold
+
+
+def test_a_stored_copy_of_the_asked_question_is_a_wrong_candidate_unless_copies_are_right() -> None:
+    """The strict label calls the asked question itself, stored again under another pair, a wrong
+    candidate; trained on that, the judge learns that a question written again with other
+    punctuation is not the question asked. `copies_right` labels it right."""
+    from bench.semantic_eval import Duplicates
+    from bench.semantic_train import retrieval_examples
+
+    rng = np.random.default_rng(0)
+    asked = _unit(rng)
+
+    def near() -> np.ndarray:
+        vector = asked + 0.05 * _unit(rng)
+        return vector / np.linalg.norm(vector)
+
+    own = Pair("How can I reset the password of my router", "How do I reset my router's password?", 1)
+    copy = Pair("how do I reset my router's password", "What is the best pizza in Rome?", 0)
+    vectors = {own.a: near(), own.b: asked, copy.a: near(), copy.b: _unit(rng)}
+    groups = [([own, copy], [])]
+    for copies_right in (False, True):
+        examples = retrieval_examples(groups, vectors, Duplicates([own, copy]), copies_right=copies_right)
+        labels = {stored: right for (question, stored), right in zip(examples.texts, examples.own, strict=True)
+                  if question == own.b}
+        assert labels == {own.a: True, copy.a: copies_right}
