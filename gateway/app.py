@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from gateway.pipeline.embeddings import EmbeddingCache
 from gateway.pipeline.native import MESSAGES, RESPONSES, NativeRoute
 from gateway.pipeline.proxy import Proxy
 from gateway.responsecache.cache import open_response_cache
+from gateway.responsecache.semantic.embedder import MODEL_ID as EMBEDDING_MODEL_ID
 from gateway.runtime import configure_process
 from gateway.services import Services
 from gateway.settings import Settings
@@ -50,12 +52,19 @@ async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
 
         if (message := missing_message("the embedded default (no upstream configured)")) is not None:
             raise RuntimeError(message)
+        # The longest silence of a first start (38 s measured on 2 cores, torch's import included):
+        # said before it begins, so that a newcomer does not take it for a hang.
+        started = time.perf_counter()
+        log.info("engine: loading the built-in engine (%s) and the embedding model (%s); "
+                 "the first start takes tens of seconds", settings.engine.served_model_name, EMBEDDING_MODEL_ID)
         from gateway.engine.service import build_engine
         from gateway.upstream.engine import EngineBackend
 
         engine = await asyncio.to_thread(build_engine, settings.engine, settings.kvcache)
         backends.append(EngineBackend(engine.worker, settings.engine))
         backends.append(await build_embedding_backend())
+        load_s = round(time.perf_counter() - started, 1)
+        log.info("engine: ready in %.1f s", load_s, extra={"load_s": load_s})
     router = Router(backends, settings.routing)
     for upstream, backend in zip(settings.upstreams, backends, strict=False):
         if upstream.models:

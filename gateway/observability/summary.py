@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from gateway.observability.metrics import PriceFor
 from gateway.observability.settings import ObservabilitySettings
 from gateway.persistence.models import RequestLog
-from gateway.responsecache.lookup import SKIP_BUSY
+from gateway.responsecache.lookup import SKIP_BUSY, STAGE_JUDGED, STAGE_RULED_OUT, STAGE_VARIANT
 from gateway.responsecache.status import CacheStatus
 
 HITS = (CacheStatus.HIT_EXACT, CacheStatus.HIT_SEMANTIC)
@@ -43,6 +43,7 @@ class Row:
     cache: str | None
     condensed_from_tokens: int | None = None
     semantic_skipped: str | None = None
+    semantic_stage: str | None = None
 
     @property
     def condensed_tokens(self) -> int:
@@ -85,7 +86,7 @@ async def load_rows(sessions: async_sessionmaker, since: datetime, max_rows: int
     query = (
         select(t.created_at, t.tenant, t.model, t.route, t.status, t.prompt_tokens, t.completion_tokens,
                t.cached_tokens, t.cache_creation_tokens, t.ttfb_ms, t.total_ms, t.cache, t.condensed_from_tokens,
-               t.semantic_skipped)
+               t.semantic_skipped, t.semantic_stage)
         .where(t.created_at >= since)
         .order_by(t.created_at.desc())
         .limit(max_rows)
@@ -103,7 +104,7 @@ async def load_rows(sessions: async_sessionmaker, since: datetime, max_rows: int
                 creation = 0 if r.cache in HITS else max(prompt - cached, 0)
             rows.append(Row(created, r.tenant, r.model, r.route, r.status, prompt, r.completion_tokens or 0,
                             cached, creation, r.ttfb_ms, r.total_ms, r.cache, r.condensed_from_tokens,
-                            r.semantic_skipped))
+                            r.semantic_skipped, r.semantic_stage))
     rows.reverse()
     return rows
 
@@ -119,6 +120,24 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole else None
+
+
+def _funnel(lookups: list[Row]) -> dict[str, int]:
+    """Where the semantic lookups of exact misses ended: forwarded unjudged (`busy`), a trivial
+    variant served, ruled out by the cheap stage (nothing embedded), or judged, and of those the
+    hits. `lookups` is their sum; a miss whose semantic lookup was skipped for another reason
+    (sampling, trivial, ...) or turned off had none."""
+    stages = defaultdict(int, {STAGE_RULED_OUT: 0, STAGE_JUDGED: 0, STAGE_VARIANT: 0})
+    busy = hits = 0
+    for r in lookups:
+        if r.semantic_stage is not None:
+            stages[r.semantic_stage] += 1
+            hits += r.semantic_stage == STAGE_JUDGED and r.cache == CacheStatus.HIT_SEMANTIC
+        elif r.semantic_skipped == SKIP_BUSY:
+            busy += 1
+    return {"lookups": busy + stages[STAGE_VARIANT] + stages[STAGE_RULED_OUT] + stages[STAGE_JUDGED],
+            "busy": busy, "variants": stages[STAGE_VARIANT], "ruled_out": stages[STAGE_RULED_OUT],
+            "judged": stages[STAGE_JUDGED], "hits": hits}
 
 
 def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
@@ -156,6 +175,7 @@ def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
         # Misses forwarded without a semantic lookup because its CPU budget was spent: a starved cache.
         "semantic_busy": busy,
         "semantic_busy_rate": _ratio(busy, len(lookups)),
+        "semantic_funnel": _funnel(lookups),
         # Share of prompt tokens sent upstream that the upstream already held in its KV cache.
         "prefix_hit_rate": _ratio(cached, upstream_prompt),
         "cache_efficiency": _ratio(cached, cached + creation),

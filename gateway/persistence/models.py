@@ -80,6 +80,9 @@ class RequestLog(Base):
     condensed_from_tokens: Mapped[int | None] = mapped_column(Integer)
     # Why a miss got no semantic lookup (`x-kvgate-semantic-skipped`: busy, sampling, trivial, ...).
     semantic_skipped: Mapped[str | None] = mapped_column(String(32))
+    # How a miss's or a semantic hit's semantic lookup ended (`x-kvgate-semantic-stage`: ruled-out,
+    # judged, variant); null when it had none.
+    semantic_stage: Mapped[str | None] = mapped_column(String(16))
 
 
 class ResponseCacheEntry(Base):

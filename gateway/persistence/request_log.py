@@ -48,6 +48,7 @@ class RequestRecord:
     cache_creation_tokens: int | None = None
     condensed_from_tokens: int | None = None
     semantic_skipped: str | None = None
+    semantic_stage: str | None = None
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 

@@ -21,11 +21,11 @@ import orjson
 from gateway.errors import GatewayError, UpstreamError, UpstreamProtocolError
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
 from gateway.pipeline.call import Call
+from gateway.pipeline.record import semantic_columns
 from gateway.pipeline.results import Answer, EventStream, Result, iterate
 from gateway.pipeline.singleflight import Flight, SingleFlight
 from gateway.responsecache.cache import HIT_INFLIGHT, KINDS, Lookup, ResponseCache
 from gateway.responsecache.replay import kvgate_info
-from gateway.responsecache.status import CacheStatus
 from gateway.schemas import anthropic, responses_api
 from gateway.schemas.usage import (
     anthropic_hit_usage,
@@ -124,8 +124,7 @@ class NativeRoute:
             self._router.release(route)
         except GatewayError as exc:
             run.error, run.status = exc, exc.status_code
-            self._record(call, run, None, lookup.status if lookup else None,
-                         lookup.semantic_skipped if lookup else None)
+            self._record(call, run, None, lookup.status if lookup else None, lookup)
             if flight is not None:
                 self._flights.fail(flight, exc)
             raise
@@ -134,8 +133,7 @@ class NativeRoute:
                 self._flights.fail(flight, UpstreamError("the identical request this one waited for was cancelled"))
             raise
         run.first_byte_s, run.usage = time.perf_counter(), result.body.get("usage")
-        self._record(call, run, route.backend.name, lookup.status if lookup else None,
-                         lookup.semantic_skipped if lookup else None)
+        self._record(call, run, route.backend.name, lookup.status if lookup else None, lookup)
         if self._on_usage is not None:
             self._on_usage(call.principal.tenant, call.body, run.usage)
         headers = {"x-request-id": call.request_id, "x-kvgate-usage-source": "upstream"}
@@ -162,7 +160,7 @@ class NativeRoute:
         message = {**lookup.answer, "id": dialect.new_id(), "usage": dialect.hit_usage(lookup.answer.get("usage")),
                    "kvgate": kvgate_info(KINDS.get(lookup.status, "exact"), lookup.similarity)}
         run.first_byte_s, run.usage = time.perf_counter(), message["usage"]
-        self._record(call, run, None, lookup.status)
+        self._record(call, run, None, lookup.status, lookup)
         headers = {**lookup.headers, "x-request-id": call.request_id}
         if call.stream:
             return EventStream(iterate(list(dialect.events(message))), headers)
@@ -186,8 +184,7 @@ class NativeRoute:
                     run.status = 499
                 self._router.release(route, ok=True if run.status == 200 else (None if run.status == 499 else False))
                 run.usage = assembler.message.get("usage") if assembler.message else None
-                self._record(call, run, route.backend.name, lookup.status if lookup else None,
-                         lookup.semantic_skipped if lookup else None)
+                self._record(call, run, route.backend.name, lookup.status if lookup else None, lookup)
                 if self._on_usage is not None and run.usage is not None:
                     self._on_usage(call.principal.tenant, call.body, run.usage)
                 finished_ok = assembler.done and run.error is None
@@ -206,9 +203,10 @@ class NativeRoute:
         return EventStream(events(), headers, finish)
 
     def _record(self, call: Call, run: _Run, upstream: str | None, cache: str | None,
-                semantic_skipped: str | None = None) -> None:
+                lookup: Lookup | None = None) -> None:
         usage = self._dialect.chat_usage(run.usage) if run.usage else {}
         error = run.error
+        semantic_skipped, semantic_stage = semantic_columns(lookup, cache)
         self._log.record(RequestRecord(
             request_id=call.request_id, tenant=call.principal.tenant, route=call.route, model=call.model,
             upstream=upstream, status=run.status, stream=call.stream,
@@ -218,7 +216,7 @@ class NativeRoute:
             total_ms=(time.perf_counter() - run.started) * 1000,
             error_type=(error.code or error.error_type) if error else None, cache=cache,
             cache_creation_tokens=usage.get("cache_creation_input_tokens"),
-            semantic_skipped=semantic_skipped if cache == CacheStatus.MISS else None,
+            semantic_skipped=semantic_skipped, semantic_stage=semantic_stage,
         ))
 
 

@@ -102,7 +102,7 @@ class Proxy:
         """A cache hit (or an identical request's answer), replayed as the upstream would answer."""
         assert self.cache is not None
         self.log.record(request_row(call, started, status=200, usage=lookup.hit_usage, ttfb_s=time.perf_counter(),
-                                    cache=lookup.status))
+                                    cache=lookup.status, lookup=lookup))
         replayed = self.cache.replay(lookup, stream=call.stream, include_usage=call.include_usage)
         headers = {**lookup.headers, "x-request-id": call.request_id, **prepared.headers}
         if isinstance(replayed, list):
@@ -151,7 +151,7 @@ class Proxy:
             exc.message += HOW_TO_OPT_IN
         self.log.record(request_row(call, started, status=exc.status_code, error=exc,
                                     cache=lookup.status if lookup else call.cache_status,
-                                    semantic_skipped=lookup.semantic_skipped if lookup else None))
+                                    lookup=lookup))
         if flight is not None:
             self.flights.fail(flight, exc)
         raise exc
@@ -172,7 +172,7 @@ class Proxy:
             headers["x-kvgate-usage-source"] = accounted.source
         self.log.record(request_row(call, started, status=200, upstream=route.backend.name, usage=usage, ttfb_s=ttfb,
                                     cache=lookup.status if lookup else call.cache_status,
-                                    semantic_skipped=lookup.semantic_skipped if lookup else None))
+                                    lookup=lookup))
         stored = None
         if lookup is not None and self.cache is not None:
             stored = self.cache.store_later(lookup, result.body)

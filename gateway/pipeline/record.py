@@ -9,16 +9,17 @@ from gateway.errors import GatewayError
 from gateway.persistence.request_log import RequestRecord
 from gateway.pipeline.call import Call
 from gateway.pipeline.condense import condensed_from
+from gateway.responsecache.lookup import Lookup
 from gateway.responsecache.status import CacheStatus
 
 
 def request_row(call: Call, started: float, *, status: int, upstream: str | None = None,
                 usage: dict[str, Any] | None = None, ttfb_s: float | None = None,
                 error: GatewayError | None = None, cache: str | None = None,
-                semantic_skipped: str | None = None) -> RequestRecord:
-    """`semantic_skipped` (`Lookup.semantic_skipped`) is kept for misses only: a hit needed no
-    semantic lookup."""
+                lookup: Lookup | None = None) -> RequestRecord:
+    """`lookup`, the response cache's, gives the semantic columns (`semantic_columns`)."""
     usage = usage if isinstance(usage, dict) else {}
+    semantic_skipped, semantic_stage = semantic_columns(lookup, cache)
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return RequestRecord(
@@ -38,8 +39,18 @@ def request_row(call: Call, started: float, *, status: int, upstream: str | None
         cache=cache,
         cache_creation_tokens=_int_or_none(usage.get("cache_creation_input_tokens")),
         condensed_from_tokens=condensed_from(usage),
-        semantic_skipped=semantic_skipped if cache == CacheStatus.MISS else None,
+        semantic_skipped=semantic_skipped,
+        semantic_stage=semantic_stage,
     )
+
+
+def semantic_columns(lookup: Lookup | None, cache: str | None) -> tuple[str | None, str | None]:
+    """The request log's `semantic_skipped`, kept for misses only (a hit needed no semantic lookup),
+    and `semantic_stage`, for misses and semantic hits: what the headers said."""
+    if lookup is None:
+        return None, None
+    return (lookup.semantic_skipped if cache == CacheStatus.MISS else None,
+            lookup.stage if cache in (CacheStatus.MISS, CacheStatus.HIT_SEMANTIC) else None)
 
 
 def _int_or_none(value: object) -> int | None:

@@ -130,7 +130,7 @@ class StreamRun:
         self._proxy.log.record(request_row(
             call, self._started, status=status, upstream=self._route.backend.name, usage=usage,
             ttfb_s=outcome.first_byte_s, error=error, cache=self._lookup.status if self._lookup else None,
-            semantic_skipped=self._lookup.semantic_skipped if self._lookup else None))
+            lookup=self._lookup))
         self._keep()
         if self._flight is not None:  # no complete answer came: the waiters fail with this one
             self._proxy.flights.fail(self._flight, error or UpstreamError(

@@ -23,6 +23,11 @@ SKIP_BUSY = "busy"  # the semantic cache's CPU budget is spent, or too short for
 # the cheap stage (no embedding computed), embedded and judged, or served as a trivial variant of a
 # stored question (`variants.py`: nothing embedded, no judge).
 STAGE_RULED_OUT, STAGE_JUDGED, STAGE_VARIANT = "ruled-out", "judged", "variant"
+# Why the cheap stage ruled a lookup out (`x-kvgate-semantic-ruled-out`): the partition holds no stored
+# question, none sketches within the language's floor, or the nearest within it was turned down by the
+# prejudge's trees or vetoed by one of the judge's rules (a different number, negation, antonym...).
+RULED_OUT_EMPTY, RULED_OUT_FAR = "no-candidate", "below-floor"
+RULED_OUT_PREJUDGE, RULED_OUT_VETO = "prejudge", "veto"
 # Why an answer was not stored (`x-kvgate-store-skipped`, on non-streamed misses; a stream's headers
 # leave before its end, so only `no-store` is known there).
 STORE_SKIP_NO_STORE, STORE_SKIP_ERROR, STORE_SKIP_INVALID = "no-store", "error", "invalid"
@@ -49,11 +54,14 @@ class Lookup:
     answer: dict[str, Any] | None = None
     entry_id: int | None = None
     similarity: float | None = None
-    probability: float | None = None  # the judge's, on a semantic hit
+    # The judge's: on a semantic hit, the served entry's; on a judged miss, the highest it gave any
+    # candidate (turned down, or short of the request's bar).
+    probability: float | None = None
     # On a judged miss: the cosine of the nearest stored question of the partition (the judge
     # turned it down), for `x-kvgate-similarity`.
     nearest: float | None = None
     semantic_skipped: str | None = None
+    ruled_out: str | None = None  # why the cheap stage ended it (`RULED_OUT_*`), with `STAGE_RULED_OUT`
     # Why the answer to this miss was not stored (`x-kvgate-store-skipped`), once `store_later` knows.
     store_skipped: str | None = None
 
@@ -77,6 +85,8 @@ class Lookup:
             headers["x-kvgate-semantic-skipped"] = self.semantic_skipped
         if self.stage is not None and self.status in (MISS, HIT_SEMANTIC):
             headers["x-kvgate-semantic-stage"] = self.stage
+        if self.ruled_out is not None and self.status == MISS:
+            headers["x-kvgate-semantic-ruled-out"] = self.ruled_out
         skipped = self.store_skipped or (STORE_SKIP_NO_STORE if not self.controls.write and self.answer is None
                                          else None)
         if skipped is not None:

@@ -69,6 +69,23 @@ def test_first_start_prints_keys_and_model_ids_in_a_frame(first_run: FirstRun) -
     assert CHAT_MODEL in readme and EMBEDDING_MODEL in readme
 
 
+def test_first_start_says_the_engine_is_loading_and_how_long_it_took(first_run: FirstRun) -> None:
+    """Tens of seconds pass between the database line and the keys while the built-in engine
+    loads: one JSON line says so when it starts (what loads, and that it takes a while), one when
+    it is done, with the time it took; both before the keys."""
+    banner = first_run.lines.index(banner_lines(first_run.lines)[0])
+    logged = [json.loads(line) for line in first_run.lines[:banner] if line.startswith("{")]
+    loading = [i for i, e in enumerate(logged) if e["msg"].startswith("engine: loading")]
+    ready = [i for i, e in enumerate(logged) if e["msg"].startswith("engine: ready in")]
+    assert len(loading) == 1 and len(ready) == 1, [e["msg"] for e in logged]
+    assert loading[0] < ready[0]
+    started = logged[loading[0]]["msg"]
+    assert CHAT_MODEL in started and EMBEDDING_MODEL in started
+    assert "tens of seconds" in started and "first start" in started
+    done = logged[ready[0]]
+    assert done["load_s"] > 0 and f"{done['load_s']:.1f} s" in done["msg"]
+
+
 def test_sdk_snippet_as_written(first_run: FirstRun) -> None:
     code = snippet_with(first_run, "quickstart-sdk")
     result = subprocess.run([sys.executable, "-c", code], cwd=first_run.cwd, env=first_run.env(),

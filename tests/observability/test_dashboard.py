@@ -132,6 +132,7 @@ def test_dashboard_in_a_real_browser(obs_gateway: Gateway, chromium: object, rep
         assert "Exact hit rate" in tiles and "Cache efficiency" in tiles
         busy = page.locator("#tiles .tile", has_text="Semantic skipped busy").inner_text()
         assert "Semantic skipped busy\n\u2013\nthe semantic cache is off" in busy  # an en dash: no figure
+        assert "the semantic cache is off" in page.inner_text("#table-funnel")
         reports = page.locator("#tiles .tile", has_text="Hits reported wrong").inner_text()
         assert f"Hits reported wrong\n{wrong['wrong']}\n{wrong['entries_reported_wrong']} entries" in reports
         assert wrong["wrong"] >= 1
@@ -164,14 +165,21 @@ def starved_gateway(fake_upstream: str, tmp_path_factory: pytest.TempPathFactory
 def test_a_starved_semantic_cache_shows_beside_its_hit_rate(starved_gateway: Gateway, chromium: object,
                                                              repo_root: Path) -> None:
     client = Client(starved_gateway)
-    client.miss_then_stored("How do I replace the battery of my car key fob?")
-    client.chat("How can I replace my car key fob battery?")  # judged: spends the budget
+    first = client.miss_then_stored("How do I replace the battery of my car key fob?")  # nothing stored yet
+    assert first.headers["x-kvgate-semantic-stage"] == "ruled-out"
+    variant = client.chat("how do i replace the battery of my car key fob")
+    assert variant.headers["x-kvgate-semantic-stage"] == "variant"
+    judged = client.chat("How can I replace my car key fob battery?")  # judged: spends the budget
+    assert judged.headers["x-kvgate-semantic-stage"] == "judged"
     busy = client.chat("How do I change the battery in my car key fob?")
     assert busy.cache == "miss" and busy.headers["x-kvgate-semantic-skipped"] == "busy"
     flush_request_log(starved_gateway)
     overview = httpx.get(starved_gateway.base_url + "/dashboard/api/summary", headers=ADMIN).json()["overview"]
     assert overview["semantic_busy"] == 1
     assert overview["semantic_busy_rate"] == 1 / overview["response_cache_lookups"]
+    hits = int(judged.cache == "hit-semantic")
+    funnel = {"lookups": 4, "ruled_out": 1, "judged": 1, "hits": hits, "variants": 1, "busy": 1}
+    assert overview["semantic_funnel"] == funnel
     samples = scrape(starved_gateway)
     assert value(samples, "kvgate_response_cache_semantic_skipped_total", reason="busy") == 1
 
@@ -191,6 +199,12 @@ def test_a_starved_semantic_cache_shows_beside_its_hit_rate(starved_gateway: Gat
         assert f"Semantic skipped busy\n{rate}\n1 of {lookups} lookups forwarded unjudged" in tile
         assert "raise KVGATE_RESPONSECACHE__SEMANTIC_CPU_SHARE (now 0.01 of a core)" in tile
         assert page.locator('#chart-hits circle.point[data-series="semantic busy"]').count() >= 1
+        # The funnel, one step a row: its count and its share of the semantic lookups.
+        steps = {row.split("\t")[0]: row.split("\t")[1:3]
+                 for row in page.locator("#table-funnel tbody tr").all_inner_texts()}
+        assert steps == {"lookups": ["4", "100.0%"], "ruled out": ["1", "25.0%"], "judged": ["1", "25.0%"],
+                         "hits": [str(hits), f"{25.0 * hits:.1f}%"], "variants": ["1", "25.0%"],
+                         "busy": ["1", "25.0%"]}
         page.screenshot(path=str(repo_root / "tests" / "artifacts" / "dashboard-starved.png"), full_page=True)
         assert problems == []
     finally:

@@ -1,5 +1,6 @@
 """A request may ask for a stricter semantic bar than the deployment's, never a looser one
-(Bifrost's rule); every semantic hit says how similar and how probable the judge found it."""
+(Bifrost's rule); every semantic hit says how similar and how probable the judge found it, and a miss
+turned down by the request's bar the probability it refused."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def test_semantic_hits_carry_similarity_and_probability_and_a_request_can_only_b
         stricter = client.chat(PARAPHRASE, stream=stream, headers={
             "x-kvgate-semantic-threshold": f"{min(probability + 1e-3, 1.0):.4f}", "cache-control": "no-store"})
         assert stricter.cache == "miss", (stream, stricter.cache)
-        assert "x-kvgate-judge-probability" not in stricter.headers
+        # Judged and turned down by the request's bar: it says the probability the bar refused.
+        assert float(stricter.headers["x-kvgate-judge-probability"]) == pytest.approx(probability, abs=1e-3)
         as_body = client.chat(PARAPHRASE, stream=stream, headers={"cache-control": "no-store"},
                               extra_body={"kvgate": {"cache": {"threshold": 1.0}}})
         assert as_body.cache == "miss"

@@ -102,7 +102,7 @@ function lineChart(container, labels, series, yMax) {
   }
 }
 
-function table(node, columns, rows) {
+function table(node, columns, rows, empty = "nothing yet") {
   node.replaceChildren();
   const head = el("tr");
   for (const c of columns) head.appendChild(el("th", c[0]));
@@ -110,7 +110,7 @@ function table(node, columns, rows) {
   const body = node.appendChild(el("tbody"));
   if (!rows.length) {
     const tr = body.appendChild(el("tr"));
-    const td = tr.appendChild(el("td", "nothing yet", "empty"));
+    const td = tr.appendChild(el("td", empty, "empty"));
     td.colSpan = columns.length;
     return;
   }
@@ -172,6 +172,20 @@ function busyHint(o, responseCache) {
                          : "of lookups; CPU budget: " + setting;
 }
 
+// Where the semantic lookups of exact misses ended (x-kvgate-semantic-stage / -skipped), one step a row.
+function funnelRows(f, responseCache) {
+  if (!responseCache || !responseCache.semantic) return [];
+  const share = (n) => pct(f.lookups ? n / f.lookups : null);
+  return [
+    ["lookups", f.lookups, share(f.lookups), "exact misses the semantic cache was asked about"],
+    ["ruled out", f.ruled_out, share(f.ruled_out), "by the cheap stage: nothing embedded"],
+    ["judged", f.judged, share(f.judged), "embedded and judged"],
+    ["hits", f.hits, share(f.hits), "judged and served: " + pct(f.judged ? f.hits / f.judged : null) + " of judged"],
+    ["variants", f.variants, share(f.variants), "a stored question in other case or punctuation: served, not judged"],
+    ["busy", f.busy, share(f.busy), "forwarded unjudged: the semantic CPU budget was spent"],
+  ].map(([step, count, of, what]) => ({ step, count, of, what }));
+}
+
 const GROUP_COLUMNS = [
   ["requests", (r) => num(r.requests)],
   ["errors", (r) => num(r.errors)],
@@ -198,6 +212,11 @@ function render(data) {
     { name: "semantic busy", values: pts.map((p) => p.semantic_busy_rate) },
   ], 1);
   lineChart($("chart-efficiency"), labels, [{ name: "efficiency", values: pts.map((p) => p.cache_efficiency) }], 1);
+  table($("table-funnel"), [
+    ["semantic lookups", (r) => r.step], ["count", (r) => num(r.count)], ["of lookups", (r) => r.of],
+    ["", (r) => r.what],
+  ], funnelRows(data.overview.semantic_funnel, data.response_cache),
+  data.response_cache && data.response_cache.semantic ? "nothing yet" : "the semantic cache is off");
   table($("table-tenants"), [["tenant", (r) => r.tenant], ...GROUP_COLUMNS], data.tenants);
   table($("table-models"), [["model", (r) => r.model], ...GROUP_COLUMNS], data.models);
   table($("table-tiers"), [

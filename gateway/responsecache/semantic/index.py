@@ -101,6 +101,10 @@ class VectorIndex:
     def __contains__(self, entry_id: int) -> bool:
         return entry_id in self._entries
 
+    def holds(self, partition: PartitionKey) -> bool:
+        """Whether any entry of `partition` is indexed."""
+        return partition in self._partitions
+
     def add(self, metas: list[EntryMeta]) -> None:
         groups: dict[PartitionKey, list[EntryMeta]] = {}
         for meta in metas:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.responsecache.keys import PartitionKey
+from gateway.responsecache.lookup import RULED_OUT_EMPTY, RULED_OUT_FAR
 from gateway.responsecache.semantic.index import VectorIndex
 from gateway.responsecache.semantic.judge import Verifier
 from gateway.responsecache.semantic.language import language_of
@@ -55,14 +56,25 @@ def plausible(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray
     the neighbourhood is (rank, margin to the next neighbour), and an embedded index holding only
     the likeliest candidates makes each look unrivalled (measured: English precision 0.815 instead
     of 0.867 when only the prejudge's candidates were embedded)."""
-    return plausible_with_chance(sketches, partition, sketch, query, floor, prejudge, now, k)[0]
+    return plausible_with_chance(sketches, partition, sketch, query, floor, prejudge, now, k).metas
+
+
+@dataclass(slots=True, frozen=True)
+class Plausible:
+    """What the cheap stage found: the stored questions to embed and judge, the prejudge's best
+    estimate of the chance that the judge serves one of them (1 without a prejudge), and when there
+    are none, why (`RULED_OUT_*`)."""
+
+    metas: list[EntryMeta]
+    chance: float
+    ruled_out: str | None = None
 
 
 def plausible_with_chance(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray, query: str,
                           floor: float, prejudge: Prejudge | None, now: float,
-                          k: int = PLAUSIBLE_CANDIDATES) -> tuple[list[EntryMeta], float]:
-    """`plausible`, and the prejudge's best estimate of the chance that the judge serves one of
-    them (1 without a prejudge): what the lookup may claim of a scarce CPU budget."""
+                          k: int = PLAUSIBLE_CANDIDATES) -> Plausible:
+    """`plausible`, with the chance a lookup may claim of a scarce CPU budget, and why it found none.
+    When every candidate is ruled out, the reason given is the nearest one's."""
     # Neighbours below the floor count as the floor in the prejudge's features, so a search that
     # finds none within it says all there is to say.
     candidates = [c for c in sketches.search(partition, sketch, k + 1, floor)
@@ -70,11 +82,15 @@ def plausible_with_chance(sketches: VectorIndex, partition: PartitionKey, sketch
     cosines = [c.similarity for c in candidates]
     within = [(rank, c) for rank, c in enumerate(candidates[:k]) if c.similarity >= floor]
     if not within:
-        return [], 0.0
-    language = language_of(query) if prejudge is not None else None
-    chance = max(1.0 if prejudge is None else prejudge.chance(query, language, c.meta.query or "", rank, cosines, floor)
-                 for rank, c in within)
-    return ([c.meta for _, c in within], chance) if chance > 0 else ([], 0.0)
+        return Plausible([], 0.0, RULED_OUT_FAR if candidates or sketches.holds(partition) else RULED_OUT_EMPTY)
+    if prejudge is None:
+        return Plausible([c.meta for _, c in within], 1.0)
+    language = language_of(query)
+    chance, reason = 0.0, None
+    for rank, c in within:
+        estimate, why = prejudge.chance(query, language, c.meta.query or "", rank, cosines, floor)
+        chance, reason = max(chance, estimate), reason or why
+    return Plausible([c.meta for _, c in within], chance) if chance > 0 else Plausible([], 0.0, reason)
 
 
 def sketch_neighbourhood(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray, now: float,
@@ -91,9 +107,24 @@ def sketch_neighbourhood(sketches: VectorIndex, partition: PartitionKey, sketch:
             if c.meta.expires_at > now and c.meta.query is not None]
 
 
+@dataclass(slots=True, frozen=True)
+class Judgement:
+    """The most probable accepted candidate, if any, and the highest probability the judge gave any
+    candidate, accepted or not (None when none was judged): what a judged miss reports."""
+
+    match: Match | None
+    probability: float | None
+
+
 def best_match(index: VectorIndex, partition: PartitionKey, vector: np.ndarray, text: str,
                verifier: Verifier, now: float) -> Match | None:
+    return judge(index, partition, vector, text, verifier, now).match
+
+
+def judge(index: VectorIndex, partition: PartitionKey, vector: np.ndarray, text: str,
+          verifier: Verifier, now: float) -> Judgement:
     best: Match | None = None
+    highest: float | None = None
     # One neighbour past the candidates: the last candidate's margin to the next is a feature.
     candidates = index.search(partition, vector, NUM_CANDIDATES + 1)
     cosines = [c.similarity for c in candidates]
@@ -102,9 +133,10 @@ def best_match(index: VectorIndex, partition: PartitionKey, vector: np.ndarray, 
         if meta.expires_at <= now or meta.embedding is None or meta.query is None:
             continue
         verdict = verifier.verify(vector, meta.embedding, text, meta.query, rank, cosines)
+        highest = verdict.probability if highest is None else max(highest, verdict.probability)
         if verdict.accepted and (best is None or verdict.probability > best.probability):
             best = Match(meta, candidate.similarity, verdict.probability)
-    return best
+    return Judgement(best, highest)
 
 
 def differing_parts(a: str, b: str) -> tuple[str, str] | None:

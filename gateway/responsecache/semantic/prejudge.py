@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.responsecache.lookup import RULED_OUT_PREJUDGE, RULED_OUT_VETO
 from gateway.responsecache.semantic.judge import Trees, bigram_jaccard, hard_negative, lexical_features
 from gateway.responsecache.semantic.language import Language, language_of
 
@@ -69,14 +70,15 @@ class Prejudge:
         return 1.0 / (1.0 + math.exp(-max(min(z, 40.0), -40.0)))
 
     def chance(self, query: str, language: Language | None, cached: str, rank: int, cosines: list[float],
-               floor: float) -> float:
+               floor: float) -> tuple[float, str | None]:
         """The probability that the judge serves `cached` for `query` (in `language`), as the trees
-        estimate it; 0 when it is too low to be worth embedding both (or a veto rules it out), 1 for a
-        language with no trained threshold (the floor alone decides, as before)."""
+        estimate it, 1 for a language with no trained threshold (the floor alone decides, as before);
+        or 0 when it is too low to be worth embedding both (`RULED_OUT_PREJUDGE`) or a veto rules it
+        out (`RULED_OUT_VETO`), with that reason."""
         threshold = self.thresholds.get(language) if language is not None else None
         probability = 1.0 if threshold is None else \
             self.probability(features(query, cached, rank, cosines, floor, language))
         if threshold is not None and probability < threshold:
-            return 0.0
+            return 0.0, RULED_OUT_PREJUDGE
         # The vetoes last: they cost more than the trees, and most candidates fail the trees.
-        return 0.0 if hard_negative(query, cached) is not None else probability
+        return (0.0, RULED_OUT_VETO) if hard_negative(query, cached) is not None else (probability, None)

@@ -22,9 +22,9 @@ one before:
    the cheap stage take a whole core's share of a saturated loop's idle moments: at 32 clients in
    front of a fast upstream, kvgate then served 0.75x the requests per second of semantic-off;
 2. the cheap stage (`sketch.py`, `semantic.plausible_with_chance`): no stored question sketches
-   close enough to be worth embedding (`ruled-out`), or the embeddings' budget is too short for the
-   chance of a hit (`busy`);
-3. the question and its plausible neighbours are embedded and judged (`semantic.best_match`; pairs
+   close enough to be worth embedding (`ruled-out`, and why: `Plausible.ruled_out`), or the
+   embeddings' budget is too short for the chance of a hit (`busy`);
+3. the question and its plausible neighbours are embedded and judged (`semantic.judge`; pairs
    that share a long context by the sentences that differ); a match is judged again once the rest
    of the question's sketch neighbourhood is embedded (`semantic.sketch_neighbourhood`), and must
    still meet the request's bar and the one near an entry reported wrong.
@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 
-from gateway.responsecache.keys import PartitionKey
 from gateway.responsecache.lookup import SKIP_BUSY, STAGE_JUDGED, STAGE_RULED_OUT, Lookup
 from gateway.responsecache.semantic.embedder import CpuBudget, Embedder
 from gateway.responsecache.semantic.feedback import Reported
@@ -48,8 +47,9 @@ from gateway.responsecache.semantic.language import language_of
 from gateway.responsecache.semantic.match import (
     NUM_CANDIDATES,
     Match,
-    best_match,
+    Plausible,
     differing_parts,
+    judge,
     plausible_with_chance,
     sketch_neighbourhood,
 )
@@ -184,13 +184,13 @@ class SemanticStage:
             self.num_busy += 1
             return None
         started = time.thread_time()
-        plausible, chance = self._plausible(lookup, now)
-        affordable = budget.available(chance)
+        plausible = self._plausible(lookup, now)
+        affordable = budget.available(plausible.chance)
         spent = time.thread_time() - started
         loop.spend(spent)
         self.cheap_stage_cpu_s += spent
-        if not plausible:
-            lookup.stage = STAGE_RULED_OUT
+        if not plausible.metas:
+            lookup.stage, lookup.ruled_out = STAGE_RULED_OUT, plausible.ruled_out
             self.num_ruled_out += 1
             return None
         if not affordable:
@@ -199,25 +199,35 @@ class SemanticStage:
             return None
         lookup.stage = STAGE_JUDGED
         self.num_judged += 1
-        await self._embed_with(lookup, plausible)
+        await self._embed_with(lookup, plausible.metas)
         assert lookup.vector is not None
-        match = best_match(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
+        match = self._judge(lookup, now)
         if match is not None:  # judged again in the neighbourhood the judge was calibrated in
             assert lookup.sketch is not None
             missing = [m for m in sketch_neighbourhood(self._sketches, lookup.partition, lookup.sketch, now)
                        if m.embedding is None]
             if missing:
                 await self._embed_entries(missing)
-                match = best_match(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
+                lookup.probability = None  # judged again: this verdict replaces the first
+                match = self._judge(lookup, now)
         if match is not None and match.meta.query is not None and differing_parts(lookup.query, match.meta.query):
             match = None  # a long shared context: judged below by what differs, not by the whole turn
+            lookup.probability = None
         if match is None:
-            match = await self._match_by_differing_parts(lookup.partition, lookup.vector, lookup.query, now)
+            match = await self._match_by_differing_parts(lookup, now)
         if match is not None and self._meets_bars(lookup, match):
             return match
         nearest = self._index.search(lookup.partition, lookup.vector, 1)
         lookup.nearest = nearest[0].similarity if nearest else None
         return None
+
+    def _judge(self, lookup: Lookup, now: float) -> Match | None:
+        """`semantic.judge` on the embedded index, noting on `lookup` the highest probability given."""
+        assert self._verifier is not None and lookup.partition is not None
+        assert lookup.vector is not None and lookup.query is not None
+        judgement = judge(self._index, lookup.partition, lookup.vector, lookup.query, self._verifier, now)
+        lookup.probability = _highest(lookup.probability, judgement.probability)
+        return judgement.match
 
     def _meets_bars(self, lookup: Lookup, match: Match) -> bool:
         """Whether the most probable match also meets the stricter bars: the request's own, and the
@@ -231,7 +241,7 @@ class SemanticStage:
         return self._verifier.accepts(lookup.query, match.probability, max(bars, default=None),
                                       lookup.controls.max_false_hit_rate)
 
-    def _plausible(self, lookup: Lookup, now: float) -> tuple[list[EntryMeta], float]:
+    def _plausible(self, lookup: Lookup, now: float) -> Plausible:
         """The cheap stage (`sketch.py`): the stored questions worth embedding, none when no stored
         question could pass the judge (then nothing is embedded), and the chance of a hit."""
         assert self._sketcher is not None and lookup.partition is not None and lookup.query is not None
@@ -257,12 +267,14 @@ class SemanticStage:
                 self._index.add([meta])
                 self._new_embeddings[meta.id] = vector
 
-    async def _match_by_differing_parts(self, partition: PartitionKey, vector: np.ndarray, query: str,
-                                        now: float) -> Match | None:
-        """Neighbours that share a long context with `query` (see `semantic.differing_parts`) embed
-        alike whatever their question, and crowd each other: the whole-turn verdict says nothing
-        about them. Each is judged instead on the sentences that differ, as a question of its own."""
+    async def _match_by_differing_parts(self, lookup: Lookup, now: float) -> Match | None:
+        """Neighbours that share a long context with the question (see `semantic.differing_parts`)
+        embed alike whatever their question, and crowd each other: the whole-turn verdict says
+        nothing about them. Each is judged instead on the sentences that differ, as a question of
+        its own."""
         assert self._embedder is not None and self._verifier is not None
+        partition, vector, query = lookup.partition, lookup.vector, lookup.query
+        assert partition is not None and vector is not None and query is not None
         judged: list[tuple[Candidate, tuple[str, str]]] = []
         for candidate in self._index.search(partition, vector, NUM_CANDIDATES):
             meta = candidate.meta
@@ -277,6 +289,11 @@ class SemanticStage:
         best: Match | None = None
         for i, (candidate, (mine, theirs)) in enumerate(judged):
             verdict = self._verifier.verify(vectors[2 * i], vectors[2 * i + 1], mine, theirs)
+            lookup.probability = _highest(lookup.probability, verdict.probability)
             if verdict.accepted and (best is None or verdict.probability > best.probability):
                 best = Match(candidate.meta, candidate.similarity, verdict.probability)
         return best
+
+
+def _highest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
