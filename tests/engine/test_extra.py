@@ -37,8 +37,11 @@ def test_serve_without_upstream_and_engine_say_which_extra(engine_missing: None,
     monkeypatch.setattr(uvicorn, "run", started)
     monkeypatch.delenv("KVGATE_UPSTREAMS", raising=False)
     assert main(["serve", "--database-url", "sqlite+aiosqlite:///unused.db"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "kvgate_test_no_such_module missing" in err
+    lines = capsys.readouterr().err.strip().splitlines()
+    # one line, after the one naming the database `serve` uses (every database command says it)
+    assert lines[0].startswith("kvgate: database ") and len(lines) == 2
+    err = lines[1]
+    assert "kvgate_test_no_such_module missing" in err
     assert "pip install 'kvgate[engine]'" in err and "--upstream NAME=BASE_URL" in err
     assert main(["engine"]) == 2
     assert "pip install 'kvgate[engine]'" in capsys.readouterr().err
