@@ -52,6 +52,11 @@ class UpstreamSettings(BaseModel):
     responses_api: bool = False
     # Forward prompt_cache_key and cache_salt; false for upstreams that reject fields they do not know.
     prompt_cache_fields: bool = True
+    # "llama.cpp": a llama.cpp server (`llama-server`): kvgate pins conversations to its slots and
+    # keeps their KV in its tiers (gateway/slots). None: recognised from the server's /props.
+    kind: Literal["openai", "llama.cpp"] | None = None
+    # The directory kvgate sees as this llama.cpp server's `--slot-save-path` (slot files pass there).
+    slot_dir: str | None = None
 
     @field_validator("base_url")
     @classmethod
