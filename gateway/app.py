@@ -29,6 +29,8 @@ from gateway.responsecache.semantic.embedder import MODEL_ID as EMBEDDING_MODEL_
 from gateway.runtime import configure_process
 from gateway.services import Services
 from gateway.settings import Settings
+from gateway.slots.keeper import SlotKeeper
+from gateway.slots.store import open_slot_store
 from gateway.upstream.backend import Backend
 from gateway.upstream.http import HttpBackend
 from gateway.upstream.router import Router
@@ -65,7 +67,13 @@ async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
         backends.append(await build_embedding_backend())
         load_s = round(time.perf_counter() - started, 1)
         log.info("engine: ready in %.1f s", load_s, extra={"load_s": load_s})
-    router = Router(backends, settings.routing)
+    keeper = None
+    if settings.upstreams and settings.slots.enabled and any(u.kind != "openai" for u in settings.upstreams):
+        keeper = SlotKeeper(settings.slots, open_slot_store(settings.slots))
+        for upstream, backend in zip(settings.upstreams, backends, strict=False):
+            keeper.consider(backend, kind=upstream.kind, slot_dir=upstream.slot_dir, base_url=upstream.base_url)
+        await keeper.probe()  # which upstreams are llama.cpp servers (their /props)
+    router = Router(backends, settings.routing, slots=keeper)
     for upstream, backend in zip(settings.upstreams, backends, strict=False):
         if upstream.models:
             router.configure_models(backend, upstream.models)

@@ -38,6 +38,7 @@ BENCHMARKS = {
     "fuse": "bench.fuse",
     "embed": "bench.embed",
     "semantic-load": "bench.semantic_load",
+    "fleet": "bench.fleet",
 }
 # Benchmarks of the built-in engine and its KV cache: they import torch (the `engine` extra).
 ENGINE_BENCHMARKS = {"codec", "kv-tiers", "kv-trace", "ttft", "concurrency", "engine", "cascade", "fuse"}

@@ -22,6 +22,7 @@ from gateway.pipeline.compaction import CompactionSettings
 from gateway.pipeline.settings import CondenseSettings
 from gateway.responsecache.semantic.embedder import MODEL_ID
 from gateway.responsecache.settings import ResponseCacheSettings
+from gateway.slots.settings import SlotSettings
 from gateway.upstream.settings import RoutingSettings, UpstreamSettings, parse_upstream_flag, with_upstream
 from gateway.usage.settings import Price, UsageSettings
 
@@ -65,6 +66,7 @@ class Settings(BaseSettings):
     usage: UsageSettings = Field(default_factory=UsageSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     kvcache: KVCacheSettings = Field(default_factory=KVCacheSettings)
+    slots: SlotSettings = Field(default_factory=SlotSettings)  # llama.cpp slot files (gateway/slots)
     responsecache: ResponseCacheSettings = Field(default_factory=ResponseCacheSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     compaction: CompactionSettings = Field(default_factory=CompactionSettings)

@@ -54,3 +54,11 @@ async def remote_tier_rows(router: Router | None) -> list[dict[str, Any]]:
         return [{**r, "name": f"{backend.name}: {r.get('name')}"} for r in rows or [] if isinstance(r, dict)]
 
     return [row for rows in await asyncio.gather(*(one(b) for b in engines)) for row in rows]
+
+
+async def slot_tier_rows(router: Router | None) -> list[dict[str, Any]]:
+    """llama.cpp slot files kept in kvgate's tiers (gateway/slots), one row per tier."""
+    keeper = getattr(router, "slots", None)
+    if keeper is None or keeper.store is None:
+        return []
+    return await asyncio.to_thread(keeper.store.rows)  # counting Redis's files is a SCAN

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from gateway.kvcache.manager import KVCacheManager
     from gateway.observability.settings import ObservabilitySettings
     from gateway.persistence.request_log import RequestLogWriter, RequestRecord
+    from gateway.slots.keeper import SlotKeeper
     from gateway.upstream.router import Router
 from gateway.usage.settings import Price
 
@@ -231,6 +232,8 @@ class LiveCollector(Collector):
             yield from kv_metrics(self.kv)
         if self.engine is not None:
             yield from engine_kv_work_metrics(self.engine)
+        if self.router is not None and self.router.slots is not None:
+            yield from slot_metrics(self.router.slots)
 
 
 def upstream_metrics(router: Router) -> Iterator[Metric]:
@@ -248,6 +251,37 @@ def upstream_metrics(router: Router) -> Iterator[Metric]:
         in_flight.add_metric([backend.name], state.in_flight)
     yield up
     yield in_flight
+
+
+def slot_metrics(keeper: SlotKeeper) -> Iterator[Metric]:
+    """llama.cpp slots: restores and saves through kvgate's tiers, and the files each tier holds
+    (the host and disk tiers of this replica; Redis is counted on the dashboard, not per scrape)."""
+    stats = keeper.stats
+    restores = CounterMetricFamily("kvgate_slot_restores", "Slot files restored into llama.cpp slots before a "
+                                   "request, by outcome (restored, failed, missing)", labels=["upstream", "outcome"])
+    for (upstream, outcome), n in sorted(stats.restores.items()):
+        restores.add_metric([upstream, outcome], n)
+    yield restores
+    saves = CounterMetricFamily("kvgate_slot_saves", "llama.cpp slots saved into kvgate's tiers after a turn, "
+                                "by outcome", labels=["upstream", "outcome"])
+    for (upstream, outcome), n in sorted(stats.saves.items()):
+        saves.add_metric([upstream, outcome], n)
+    yield saves
+    if keeper.store is None:
+        return
+    files = GaugeMetricFamily("kvgate_slot_files", "Slot files held, by tier", labels=["tier"])
+    held = GaugeMetricFamily("kvgate_slot_bytes", "Bytes of slot files held (after the codec), by tier",
+                             labels=["tier"])
+    for tier in keeper.store.tiers:
+        if tier.name == "redis":
+            continue
+        count, used = tier.files()
+        files.add_metric([tier.name], count)
+        held.add_metric([tier.name], used)
+    yield files
+    yield held
+    yield CounterMetricFamily("kvgate_slot_corrupt_files", "Slot files found damaged (checksum) and dropped",
+                              value=keeper.store.corrupt)
 
 
 def kv_metrics(kv: KVCacheManager) -> Iterator[Metric]:

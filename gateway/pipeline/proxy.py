@@ -75,9 +75,9 @@ class Proxy:
                 call.body, call.condensed = await self._condense.apply(call.body, call.condense)
             if call.stream:
                 return await StreamRun(self, call, started, lookup, flight).open(prepared)
+            salt = tenant_salt(call.principal.tenant)
             result, route = await self.router.call(
-                call.model, lambda b: b.post_json(call.path, call.body, salt=tenant_salt(call.principal.tenant)),
-                blocks=prepared.blocks,
+                call.model, lambda b: b.post_json(call.path, call.body, salt=salt), blocks=prepared.blocks, salt=salt,
             )
             self.router.release(route)
         except GatewayError as exc:
@@ -162,6 +162,8 @@ class Proxy:
         ttfb = time.perf_counter()
         headers = {"x-request-id": call.request_id, **prepared.headers, **compaction_headers(call),
                    **condense_headers(call.condensed), **result.headers}
+        if route.pin is not None:
+            headers["x-kvgate-kv-slot"] = route.pin.header()
         raw = result.raw
         usage = result.body.get("usage")
         if call.route != Route.EMBEDDINGS and isinstance(usage, dict):
@@ -184,9 +186,9 @@ class Proxy:
     async def _compact_and_forward(self, call: Call, request: JSONObject, prepared: Prepared) -> Result:
         """Summarise the conversation behind the same prefix, then forward it continued from the
         summary (pipeline/compaction.py says why this keeps the upstream's prefix cache)."""
+        salt = tenant_salt(call.principal.tenant)
         result, route = await self.router.call(
-            call.model, lambda b: b.post_json(call.path, request, salt=tenant_salt(call.principal.tenant)),
-            blocks=prepared.blocks,
+            call.model, lambda b: b.post_json(call.path, request, salt=salt), blocks=prepared.blocks, salt=salt,
         )
         self.router.release(route)
         usage, _ = self.accountant.finish(route.backend.name, call.model, result.body.get("usage"),

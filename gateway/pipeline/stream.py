@@ -55,10 +55,13 @@ class StreamRun:
     async def open(self, prepared: Prepared) -> EventStream:
         call = self._call
 
-        def open_on(backend: Backend) -> Any:
-            return backend.post_stream(call.path, stream_body(call, backend), salt=tenant_salt(call.principal.tenant))
+        salt = tenant_salt(call.principal.tenant)
 
-        self._stream, self._route = await self._proxy.router.call(call.model, open_on, blocks=prepared.blocks)
+        def open_on(backend: Backend) -> Any:
+            return backend.post_stream(call.path, stream_body(call, backend), salt=salt)
+
+        self._stream, self._route = await self._proxy.router.call(call.model, open_on, blocks=prepared.blocks,
+                                                                  salt=salt)
         return EventStream(self._events(), self._headers(prepared), self.finish)
 
     def _headers(self, prepared: Prepared) -> dict[str, str]:
@@ -69,6 +72,8 @@ class StreamRun:
                    **condense_headers(call.condensed), **(self._stream.headers if self._stream else {})}
         if (source := self._proxy.accountant.source_for(self._route.backend.name)) is not None:
             headers["x-kvgate-usage-source"] = source
+        if self._route.pin is not None:
+            headers["x-kvgate-kv-slot"] = self._route.pin.header()
         return headers
 
     def _accounted(self, usage: dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -18,6 +18,9 @@ conversation overwrites it.
 Anything that goes wrong on the way (a server that does not answer, a file of another model or
 llama.cpp version, a damaged file) only costs the restore: the request is forwarded as a plain
 request and the server prefills what it lacks.
+
+Over 300 lines: choosing a slot, restoring into it and saving it out read and write the same
+per-slot record (what it holds, whether a save is running), and are easiest checked side by side.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from gateway.upstream.backend import Backend, JSONObject
 
 log = logging.getLogger(__name__)
 PROBE_EVERY_S = 5.0
+PROBE_TIMEOUT_S = 3.0
 SLOT_CALL_TIMEOUT_S = 30.0
 
 
@@ -73,9 +77,13 @@ class Pin:
     server: Server
     slot: Slot
     keys: tuple[bytes, ...]
+    cached_blocks: int = 0  # leading blocks of the prompt the slot holds when the request is sent
     restored_blocks: int = 0
     restored_from: str | None = None
     done: bool = False
+
+    def pinned(self, backend: Backend) -> Backend:
+        return PinnedBackend(backend, self.slot.id)
 
     def header(self) -> str:
         where = f"{self.server.backend.name}#{self.slot.id}"
@@ -125,6 +133,7 @@ class SlotKeeper:
         self._servers: dict[str, Server] = {}
         self._candidates: dict[str, Server] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._probing: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ which upstreams
 
@@ -138,15 +147,24 @@ class SlotKeeper:
         return list(self._servers.values())
 
     async def probe(self) -> None:
-        """Read /props of every candidate not yet known (at start, then on use at most every 5 s)."""
+        """Read /props of every candidate not yet known (at start; later, off the request path, at
+        most every 5 s while one did not answer)."""
         now = time.monotonic()
         pending = [s for s in self._candidates.values() if now - s.probed_at >= PROBE_EVERY_S]
         await asyncio.gather(*(self._probe(s) for s in pending))
 
+    def _probe_later(self) -> None:
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.get_running_loop().create_task(self.probe(), name="slot-probe")
+
     async def _probe(self, server: Server) -> None:
         server.probed_at = time.monotonic()
         try:
-            props = await self._get(server, "/props")
+            props = await self._get(server, "/props", timeout_s=PROBE_TIMEOUT_S)
+        except AnswerError as exc:  # it answered, without /props: not a llama.cpp server
+            log.info("upstream %r is not a llama.cpp server (%s)", server.backend.name, exc)
+            self._candidates.pop(server.backend.name, None)
+            return
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             log.info("upstream %r: /props not read (%s); asked again later", server.backend.name, exc)
             return
@@ -160,7 +178,8 @@ class SlotKeeper:
         server.slots = [Slot(i) for i in range(total)]
         self._candidates.pop(server.backend.name, None)
         self._servers[server.backend.name] = server
-        files = "no slot_dir: slots pinned, no files kept" if server.slot_dir is None else f"slot files via {server.slot_dir}"
+        files = (f"slot files via {server.slot_dir}" if server.slot_dir is not None
+                 else "no slot_dir: slots pinned, no files kept")
         log.info("upstream %r is llama.cpp: %d slots, model %s, %s", server.backend.name, total,
                  Path(model).name or "?", files)
 
@@ -193,7 +212,7 @@ class SlotKeeper:
         """Choose the slot for this request on `backend` and restore into it what kvgate kept;
         None when `backend` is not a llama.cpp server or the prompt is shorter than a block."""
         if self._candidates:
-            await self.probe()
+            self._probe_later()
         server = self._servers.get(backend.name)
         if server is None or not blocks or not server.slots:
             return None
@@ -208,6 +227,7 @@ class SlotKeeper:
         except BaseException:
             slot.busy -= 1
             raise
+        pin.cached_blocks = _common(slot.held, keys)
         return pin
 
     def _choose(self, server: Server, keys: tuple[bytes, ...]) -> Slot:
@@ -312,9 +332,9 @@ class SlotKeeper:
 
     # ------------------------------------------------------------------ HTTP
 
-    async def _get(self, server: Server, path: str) -> JSONObject:
+    async def _get(self, server: Server, path: str, timeout_s: float = SLOT_CALL_TIMEOUT_S) -> JSONObject:
         session: aiohttp.ClientSession = server.backend.session  # type: ignore[attr-defined]
-        timeout = aiohttp.ClientTimeout(total=SLOT_CALL_TIMEOUT_S)
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with session.get(server.root + path, timeout=timeout) as response:
             raw = await response.read()
         return _object(response.status, raw, path)
@@ -327,14 +347,22 @@ class SlotKeeper:
         return _object(response.status, raw, path)
 
     async def aclose(self) -> None:
+        if self._probing is not None:
+            self._probing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probing
         await self.drain()
         if self.store is not None:
             self.store.close()
 
 
+class AnswerError(ValueError):
+    """The server answered with an error status."""
+
+
 def _object(status: int, raw: bytes, path: str) -> JSONObject:
     if status >= 400:
-        raise ValueError(f"{path} answered {status}: {raw[:200].decode('utf-8', 'replace')}")
+        raise AnswerError(f"{path} answered {status}: {raw[:200].decode('utf-8', 'replace')}")
     parsed = orjson.loads(raw)
     if not isinstance(parsed, dict):
         raise ValueError(f"{path} answered JSON that is not an object")

@@ -10,6 +10,9 @@ another tenant's request.
 Blobs are checked when read (`codec.py`); a damaged one is deleted from every tier and reported as
 absent, so the request runs as a plain one. Every method blocks (disk, Redis): the keeper calls them
 on a worker thread.
+
+Over 300 lines: three tiers of one small interface, the store over them and the dashboard's rows;
+split apart they would each be read with the others open beside them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gateway.slots.codec import CorruptSlotFile, SlotCodec
+from gateway.slots.settings import SlotSettings
 
 log = logging.getLogger(__name__)
 KEY_BYTES = 16
@@ -47,6 +51,7 @@ class HostTier:
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
+        self.evictions = 0
         self._blobs: OrderedDict[str, bytes] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
@@ -68,6 +73,7 @@ class HostTier:
             while self._used > self.budget:
                 _, evicted = self._blobs.popitem(last=False)
                 self._used -= len(evicted)
+                self.evictions += 1
         return True
 
     def delete(self, key: str) -> None:
@@ -90,6 +96,7 @@ class DiskTier:
     def __init__(self, root: Path, budget_bytes: int) -> None:
         self.root = Path(root)
         self.budget = budget_bytes
+        self.evictions = 0
         self.root.mkdir(parents=True, exist_ok=True)
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self._used = 0
@@ -146,6 +153,7 @@ class DiskTier:
                 old, size = self._sizes.popitem(last=False)
                 self._used -= size
                 evicted.append(old)
+            self.evictions += len(evicted)
         for old in evicted:
             self._unlink(old)
         return True
@@ -171,6 +179,9 @@ class RedisTier:
 
     name = "redis"
     PREFIX = "kvgate:slot:"
+
+    budget = None  # Redis evicts by its own policy
+    evictions = None
 
     def __init__(self, url: str, ttl_s: int, *, cluster: bool = False) -> None:
         import redis
@@ -198,7 +209,12 @@ class RedisTier:
         self.client.delete(self.PREFIX + "f:" + key)
 
     def files(self) -> tuple[int, int]:
-        return -1, -1  # shared with other replicas: not counted here
+        """Every replica's files (a SCAN: for the dashboard, not the request path)."""
+        keys = list(self.client.scan_iter(match=self.PREFIX + "f:*", count=1000))
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.strlen(key)
+        return len(keys), sum(pipe.execute()) if keys else 0
 
     def close(self) -> None:
         self.client.close()
@@ -215,6 +231,11 @@ class SlotStore:
         self._index_entries = index_entries
         self._lock = threading.Lock()
         self.corrupt = 0
+        self.reads = dict.fromkeys((t.name for t in self.tiers), 0)  # files read from each tier
+        self.bytes_read = dict.fromkeys((t.name for t in self.tiers), 0)
+        self.bytes_written = dict.fromkeys((t.name for t in self.tiers), 0)
+        self.raw_bytes = 0  # what llama.cpp wrote, and what it became after the codec
+        self.encoded_bytes = 0
         for tier in self.tiers:
             if isinstance(tier, DiskTier):
                 for key, index in tier.scan():
@@ -231,9 +252,12 @@ class SlotStore:
     def put(self, key: str, data: bytes, index: Sequence[bytes]) -> int:
         """Encode and store a slot file; the encoded size."""
         blob = self.codec.encode(data)
+        self.raw_bytes += len(data)
+        self.encoded_bytes += len(blob)
         for tier in self.tiers:
             try:
-                tier.put(key, blob, index)
+                if tier.put(key, blob, index):
+                    self.bytes_written[tier.name] += len(blob)
             except Exception as exc:  # a tier that fails loses only this copy
                 log.warning("slot tier %s could not store %s: %s", tier.name, key[:12], exc)
         self._remember(key, index)
@@ -276,6 +300,8 @@ class SlotStore:
                 self.corrupt += 1
                 self.delete(key)
                 return None
+            self.reads[tier.name] += 1
+            self.bytes_read[tier.name] += len(blob)
             if i > 0 and isinstance(self.tiers[0], HostTier):
                 self.tiers[0].put(key, blob, ())
             return data, tier.name
@@ -291,7 +317,40 @@ class SlotStore:
     def files(self) -> dict[str, tuple[int, int]]:
         return {tier.name: tier.files() for tier in self.tiers}
 
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per tier for the dashboard's KV tiers table (the names of kv_tiers.tier_rows)."""
+        rows = []
+        for tier in self.tiers:
+            try:
+                files, used = tier.files()
+                up = True
+            except Exception as exc:
+                log.warning("slot tier %s could not be counted: %s", tier.name, exc)
+                files, used, up = 0, 0, False
+            budget = getattr(tier, "budget", None)
+            rows.append({
+                "name": f"llama.cpp slots: {tier.name}", "up": up, "num_blocks": None, "files": files,
+                "used_bytes": used, "capacity_bytes": budget,
+                "occupancy": used / budget if budget else None, "hits": self.reads[tier.name], "misses": None,
+                "hit_ratio": None, "evictions": getattr(tier, "evictions", None), "admission_rejects": None,
+                "bytes_read": self.bytes_read[tier.name], "bytes_written": self.bytes_written[tier.name],
+                "codec_ratio": self.raw_bytes / self.encoded_bytes if self.encoded_bytes else None,
+            })
+        return rows
+
     def close(self) -> None:
         for tier in self.tiers:
             if isinstance(tier, RedisTier):
                 tier.close()
+
+
+def open_slot_store(settings: SlotSettings) -> SlotStore | None:
+    """The tiers `settings` asks for, fastest first; None when it asks for none."""
+    tiers: list[SlotTier] = []
+    if settings.host_mb:
+        tiers.append(HostTier(settings.host_mb << 20))
+    if settings.disk_dir:
+        tiers.append(DiskTier(Path(settings.disk_dir), settings.disk_mb << 20))
+    if settings.redis_url:
+        tiers.append(RedisTier(settings.redis_url, settings.redis_ttl_s, cluster=settings.redis_cluster))
+    return SlotStore(tiers, SlotCodec(compress=settings.compress)) if tiers else None

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from gateway.errors import (
     GatewayError,
@@ -32,6 +32,9 @@ from gateway.upstream.health import UpstreamHealth
 from gateway.upstream.prefix_index import PrefixBlock, PrefixIndex
 from gateway.upstream.settings import RoutingSettings, Strategy
 
+if TYPE_CHECKING:
+    from gateway.slots.keeper import Pin, SlotKeeper
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -43,13 +46,15 @@ class Route:
     backend: Backend
     blocks: Sequence[PrefixBlock] = ()
     matched_tokens: int = 0
+    pin: Pin | None = None  # the llama.cpp slot the request was pinned to (gateway/slots)
     released: bool = field(default=False)
 
 
 class Router:
     def __init__(self, backends: list[Backend], settings: RoutingSettings | None = None, *,
-                 rediscover_s: float = 5.0) -> None:
+                 rediscover_s: float = 5.0, slots: SlotKeeper | None = None) -> None:
         self.backends = backends
+        self.slots = slots
         self.settings = settings or RoutingSettings()
         self.index = PrefixIndex(self.settings.index_blocks_per_upstream)
         self.health = {
@@ -117,13 +122,18 @@ class Router:
         return list(await self._candidates(model_id))
     # ------------------------------------------------------------------ choice
 
-    def order(self, serving: list[Backend], blocks: Sequence[PrefixBlock]) -> list[tuple[Backend, int]]:
-        """Backends to try, best first, each with the cached tokens it is expected to hold."""
+    def order(self, serving: list[Backend], blocks: Sequence[PrefixBlock],
+              salt: str = "") -> list[tuple[Backend, int]]:
+        """Backends to try, best first, each with the cached tokens it is expected to hold (for a
+        llama.cpp server: what one of its slots holds, as kvgate pinned it)."""
         start = next(self._turn) % len(serving)
         rotated = serving[start:] + serving[:start]
         up = [b for b in rotated if self.health[b.name].available()] or rotated
         tokens = self.settings.block_tokens
         matched = {b.name: self.index.matched_blocks(b.name, blocks) * tokens for b in up}
+        if self.slots is not None:
+            for b in up:
+                matched[b.name] = max(matched[b.name], self.slots.warm_blocks(b.name, blocks, salt) * tokens)
         strategy = self.settings.strategy
         if strategy == Strategy.ROUND_ROBIN:
             ranked = up
@@ -136,34 +146,44 @@ class Router:
         return [(b, matched[b.name]) for b in ranked]
 
     async def call(self, model_id: str, attempt: Callable[[Backend], Awaitable[T]],
-                   blocks: Sequence[PrefixBlock] = ()) -> tuple[T, Route]:
+                   blocks: Sequence[PrefixBlock] = (), salt: str = "") -> tuple[T, Route]:
         """Run `attempt` on the best backend for `model_id`. The caller must `release` the route
-        when the request is over (for a stream: when the stream ends)."""
+        when the request is over (for a stream: when the stream ends). On a llama.cpp server the
+        request is pinned to a slot, restored from kvgate's tiers first where that helps."""
         serving = await self._candidates(model_id)
         last: GatewayError | None = None
-        for backend, matched in self.order(serving, blocks):
+        for backend, matched in self.order(serving, blocks, salt):
             health = self.health[backend.name]
+            pin = await self.slots.pin(backend, blocks, salt) if self.slots is not None else None
+            target: Backend = backend if pin is None else pin.pinned(backend)
             for _ in range(1 + self.settings.connect_retries):
                 health.begin()
                 try:
-                    result = await attempt(backend)
+                    result = await attempt(target)
                 except UpstreamConnectError as exc:
                     health.end(False)
                     last = exc
                     continue
                 except UpstreamStatusError as exc:
                     health.end(False if exc.status_code >= 500 else None)
+                    self._unpin(pin, backend, failed=exc.status_code >= 500)
                     if exc.status_code < 500:
                         raise
                     last = exc
                     break
                 except UpstreamError:
                     health.end(False)
+                    self._unpin(pin, backend, failed=True)
                     raise
                 except BaseException:
                     health.end(None)
+                    self._unpin(pin, backend, failed=False)
                     raise
-                return result, Route(backend, blocks, matched)
+                if pin is not None:
+                    matched = max(matched, pin.cached_blocks * self.settings.block_tokens)
+                return result, Route(backend, blocks, matched, pin)
+            else:
+                self._unpin(pin, backend, failed=True)
         if isinstance(last, UpstreamStatusError):
             raise last
         raise UpstreamUnavailable(last.message if last else f"no upstream serves {model_id!r}")
@@ -176,6 +196,15 @@ class Router:
         self.health[route.backend.name].end(ok)
         if ok:
             self.index.record(route.backend.name, route.blocks)
+        if route.pin is not None and self.slots is not None:
+            self.slots.finish(route.pin, ok is True)
+
+    def _unpin(self, pin: Pin | None, backend: Backend, *, failed: bool) -> None:
+        if pin is None or self.slots is None:
+            return
+        self.slots.finish(pin, False)
+        if failed:
+            self.slots.forget(backend.name)  # it may have restarted: what its slots held is unknown
 
     # ------------------------------------------------------------------ health checks
 
@@ -193,6 +222,8 @@ class Router:
                 if health.healthy and not ok:
                     log.warning("upstream %r failed its health check: %s", backend.name, result)
                     self.index.forget(backend.name)
+                    if self.slots is not None:
+                        self.slots.forget(backend.name)
                 health.healthy = ok
 
     async def aclose(self) -> None:
@@ -200,4 +231,6 @@ class Router:
             self._checker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._checker
+        if self.slots is not None:
+            await self.slots.aclose()  # the saves in flight still need the backends' sessions
         await asyncio.gather(*(b.aclose() for b in self.backends), return_exceptions=True)

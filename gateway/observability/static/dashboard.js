@@ -220,7 +220,7 @@ function render(data) {
   table($("table-tenants"), [["tenant", (r) => r.tenant], ...GROUP_COLUMNS], data.tenants);
   table($("table-models"), [["model", (r) => r.model], ...GROUP_COLUMNS], data.models);
   table($("table-tiers"), [
-    ["tier", (r) => r.name], ["up", (r) => (r.up ? "yes" : "no")], ["blocks", (r) => num(r.num_blocks)],
+    ["tier", (r) => r.name], ["up", (r) => (r.up ? "yes" : "no")], ["blocks", (r) => (r.files != null ? num(r.files) + " files" : num(r.num_blocks))],
     ["used", (r) => bytes(r.used_bytes)], ["capacity", (r) => bytes(r.capacity_bytes)],
     ["occupancy", (r) => pct(r.occupancy)], ["hit ratio", (r) => pct(r.hit_ratio)],
     ["evictions", (r) => num(r.evictions)], ["refused", (r) => num(r.admission_rejects)],
