@@ -81,6 +81,7 @@ class Run:
     turns: list[Turn] = field(default_factory=list)
     seconds: float = 0.0
     completion_tokens: int = 0
+    retries: int = 0
 
     def returning(self) -> list[Turn]:
         return [t for t in self.turns if t.turn > 0]
@@ -128,7 +129,16 @@ def run_traffic(targets: Callable[[int, int, int], str], model: str, sessions: i
             history[s].append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)].format(n=(s + t) % 9)})
             body = {"model": model, "messages": history[s], "max_tokens": answer_tokens, "temperature": 0,
                     "stream": True, "stream_options": {"include_usage": True}}
-            ttft, answer, usage = chat_stream(client, targets(s, t, position), body)
+            for attempt in range(3):
+                try:
+                    ttft, answer, usage = chat_stream(client, targets(s, t, position), body)
+                    break
+                except httpx.RemoteProtocolError:
+                    # llama-server now and then drops a reused keep-alive connection without an answer;
+                    # a client (the openai SDK too) sends the request again.
+                    if attempt == 2:
+                        raise
+                    run.retries += 1
             history[s].append({"role": "assistant", "content": answer})
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             run.turns.append(Turn(s, t, ttft, int(usage["prompt_tokens"]), cached))
@@ -176,7 +186,7 @@ def row(mode: str, moving: bool, run: Run, args: argparse.Namespace, warm_p50: f
         "returning_prefilled_tokens": sum(t.prefilled for t in back),
         "cached_share": round(cached / prompt, 4) if prompt else None,
         "tokens_per_s": round((prompt - cached + run.completion_tokens) / run.seconds, 1) if run.seconds else None,
-        "seconds": round(run.seconds, 1),
+        "seconds": round(run.seconds, 1), "client_retries": run.retries,
     }
 
 
@@ -205,6 +215,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--modes", default="direct,round_robin,prefix,prefix+tiers,moving+tiers",
                         help="comma-separated; moving+tiers is round_robin+tiers with sessions rotated")
     parser.add_argument("--warm-sessions", type=int, default=6, help="sessions of the warm-slot reference run")
+    parser.add_argument("--server-args", default="--poll 0",
+                        help="extra llama-server arguments; the default stops idle servers from spinning on the "
+                             "cores the working one needs, since the fleet shares one machine here")
     args = parser.parse_args(argv)
 
     binary = args.llama_server or find_llama_server()
@@ -226,7 +239,7 @@ def main(argv: list[str]) -> int:
             # A fresh fleet per run: every run starts with cold servers.
             servers = start_servers(args.servers, binary=Path(binary), model=model_file, root=root / name,
                                     slots=args.slots, ctx_per_slot=4096, threads=args.threads,
-                                    cache_ram_mib=args.cache_ram)
+                                    cache_ram_mib=args.cache_ram, extra=tuple(args.server_args.split()))
             try:
                 yield servers
             finally:
