@@ -77,7 +77,7 @@ class Proxy:
                 return await StreamRun(self, call, started, lookup, flight).open(prepared)
             result, route = await self.router.call(
                 call.model, lambda b: b.post_json(call.path, call.body, salt=tenant_salt(call.principal.tenant)),
-                blocks=prepared.blocks,
+                blocks=prepared.blocks, path=call.path,
             )
             self.router.release(route)
         except GatewayError as exc:
@@ -149,7 +149,7 @@ class Proxy:
                     self.flights.abandon(flight)  # the compacted request is another request
                 return await self._compact_and_forward(call, request, prepared)
             exc.message += HOW_TO_OPT_IN
-        self.log.record(request_row(call, started, status=exc.status_code, error=exc,
+        self.log.record(request_row(call, started, status=exc.status_code, upstream=exc.upstream, error=exc,
                                     cache=lookup.status if lookup else call.cache_status,
                                     lookup=lookup))
         if flight is not None:
@@ -186,7 +186,7 @@ class Proxy:
         summary (pipeline/compaction.py says why this keeps the upstream's prefix cache)."""
         result, route = await self.router.call(
             call.model, lambda b: b.post_json(call.path, request, salt=tenant_salt(call.principal.tenant)),
-            blocks=prepared.blocks,
+            blocks=prepared.blocks, path=call.path,
         )
         self.router.release(route)
         usage, _ = self.accountant.finish(route.backend.name, call.model, result.body.get("usage"),

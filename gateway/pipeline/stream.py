@@ -58,7 +58,8 @@ class StreamRun:
         def open_on(backend: Backend) -> Any:
             return backend.post_stream(call.path, stream_body(call, backend), salt=tenant_salt(call.principal.tenant))
 
-        self._stream, self._route = await self._proxy.router.call(call.model, open_on, blocks=prepared.blocks)
+        self._stream, self._route = await self._proxy.router.call(call.model, open_on, blocks=prepared.blocks,
+                                                                  path=call.path)
         return EventStream(self._events(), self._headers(prepared), self.finish)
 
     def _headers(self, prepared: Prepared) -> dict[str, str]:
