@@ -13,7 +13,12 @@ request, so it is sent again; only that case is retried (at most twice: the pool
 than one stale connection): a reused connection, dropped before any byte of the answer (measured
 before: 2-7 sporadic 502s per thousands of requests, 99 of 903 under 200 concurrent streams). Idle
 connections are also closed before the upstream's keep-alive timeout would close them
-(`keepalive_timeout_s`), which makes the race rare in the first place.
+(`keepalive_timeout_s`), which makes the race rare in the first place. Each resend is counted
+(`num_stale_retries`, exported as kvgate_upstream_retries_total{cause="stale_connection"}): an
+upstream that keeps dropping its connections (llama.cpp's server does, now and then) shows there.
+
+llama.cpp's own error for a prompt longer than its context is translated to OpenAI's
+`context_length_exceeded` here, where errors are read (`_error_body`).
 """
 
 from __future__ import annotations

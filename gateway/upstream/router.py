@@ -192,11 +192,11 @@ class Router:
 
     def retries(self, backend: Backend) -> dict[str, int]:
         """Requests sent again because `backend` failed them, by cause."""
-        counts: dict[str, int] = {str(cause): n for cause, n in self.health[backend.name].retries.items()}
+        counts = {cause.value: n for cause, n in self.health[backend.name].retries.items()}
         # The HTTP backend resends a request whose pooled connection was dropped under it, and counts it.
         stale = getattr(backend, "num_stale_retries", 0)
         if stale:
-            counts[RetryCause.STALE_CONNECTION] = stale
+            counts[RetryCause.STALE_CONNECTION.value] = stale
         return counts
 
     def release(self, route: Route, ok: bool | None = True) -> None:

@@ -109,7 +109,7 @@ def kvgate(tmp_path: Path, servers: list[LlamaServer], *, base_urls: dict[str, s
 
 
 def sentences(count: int, topic: str) -> str:
-    """About 8 tokens a sentence, each one different (nothing for a cache to collapse)."""
+    """About 14 tokens a sentence (SmolLM2's tokenizer), each one different."""
     return " ".join(f"Note {i} on {topic}: the {i}th entry is filed." for i in range(count))
 
 
@@ -142,12 +142,14 @@ def test_streamed_completion_usage_is_enriched(llama_servers: Servers, tmp_path:
 def test_context_overflow_is_context_length_exceeded_and_compaction_answers(llama_servers: Servers,
                                                                              tmp_path: Path) -> None:
     servers = llama_servers(1, slots=1, ctx_per_slot=512)
-    too_long = chat(sentences(80, "rivers"))
+    too_long = chat(sentences(40, "rivers"))  # about 560 tokens
+    # About 570 tokens in all; the summarise request (all but the newest turn, about 320 with its
+    # instruction) and the continued one (the summary and the newest turn, about 360) both fit.
     history = [
         {"role": "system", "content": "You are a brief assistant."},
-        {"role": "user", "content": "My name is Ada and I keep bees. " + sentences(20, "bees")},
-        {"role": "assistant", "content": "Noted, Ada. " + sentences(8, "hives")},
-        {"role": "user", "content": sentences(36, "honey") + " What is my name?"},
+        {"role": "user", "content": "My name is Ada and I keep bees. " + sentences(12, "bees")},
+        {"role": "assistant", "content": "Noted, Ada. " + sentences(4, "hives")},
+        {"role": "user", "content": sentences(20, "honey") + " What is my name?"},
     ]
     with kvgate(tmp_path, servers, compaction=CompactionSettings(max_summary_tokens=32)) as front:
         for stream in (False, True):
@@ -279,7 +281,7 @@ def test_failed_calls_keep_their_story_in_the_request_log(llama_servers: Servers
     image = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": PIXEL}}]}]}
     with kvgate(tmp_path, servers[:1]) as front:
-        assert front.post("/chat/completions", chat(sentences(80, "lakes")), request_id="overflow").status_code == 400
+        assert front.post("/chat/completions", chat(sentences(40, "lakes")), request_id="overflow").status_code == 400
         row = front.logged("overflow")
         assert (row["status"], row["upstream"], row["error_type"]) == (400, "llama0", "context_length_exceeded")
         # One server alone cannot tell the request's fault from its own: its 500 is passed on, and named.

@@ -174,6 +174,7 @@ async def test_retries_are_counted_on_the_upstream_that_failed_by_cause() -> Non
     # Round robin: a first (two connect failures, then b), b, a again (502, then b), b.
     assert [await send(r) for _ in range(4)] == ["b"] * 4
     assert r.retries(a) == {"connect_error": 2, "server_error": 1} and r.retries(b) == {}
+    assert {type(cause) for cause in r.retries(a)} == {str}, "plain strings: JSON and metric labels"
     lone = router(Upstream("z", ["connect"] * 3), connect_retries=1)
     with pytest.raises(UpstreamUnavailable) as info:
         await send(lone)
