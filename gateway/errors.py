@@ -4,11 +4,13 @@
     GatewayError                      500 server_error
     ├── InvalidRequest                400 invalid_request_error
     │   ├── InvalidField              422 invalid_request_error (param names the field)
-    │   └── BodyTooLarge              413 invalid_request_error
+    │   ├── BodyTooLarge              413 invalid_request_error
+    │   └── RequestFailedUpstream     400 invalid_request_error (two upstreams failed it the same way)
     ├── AuthenticationFailed          401 authentication_error
     ├── PermissionDenied              403 permission_error
     ├── NotFound                      404 invalid_request_error
-    │   └── ModelNotFound             404 invalid_request_error, code model_not_found
+    │   ├── ModelNotFound             404 invalid_request_error, code model_not_found
+    │   └── EndpointNotServed         404 invalid_request_error (no upstream of the model serves the route)
     ├── RateLimited                   429 rate_limit_error
     ├── ServiceUnavailable            503 server_error (a dependency such as the database is down)
     ├── EngineError                   500 server_error, code engine_error (the built-in engine failed)
@@ -20,7 +22,8 @@
         └── UpstreamStatusError       the upstream's own status and message
 
 Third-party exceptions (httpx, SQLAlchemy) are wrapped where they cross into kvgate, with
-`raise ... from exc`; nothing else reaches the client.
+`raise ... from exc`; nothing else reaches the client. An error that came from an upstream call
+names the upstream tried last (`upstream`), for the request log.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 ErrorBody = dict[str, Any]
+# OpenAI's code for a prompt longer than the model's context (kvgate's compaction answers it).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 ANTHROPIC_PATHS = ("/v1/messages",)
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
@@ -53,6 +58,8 @@ class GatewayError(Exception):
             self.code = code
         # Response headers that belong to the error (an upstream's `Retry-After` on a 429).
         self.headers: dict[str, str] = {}
+        # The upstream the request was sent to last, when it failed there.
+        self.upstream: str | None = None
 
     def envelope(self) -> ErrorBody:
         return {
@@ -80,6 +87,13 @@ class BodyTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class RequestFailedUpstream(InvalidRequest):
+    """Two upstreams failed the request with the same server error (llama.cpp answers 500 to an
+    image sent to a text-only model): the request's fault, not an outage."""
+
+    code = "request_failed_upstream"
+
+
 class AuthenticationFailed(GatewayError):
     status_code = 401
     error_type = "authentication_error"
@@ -100,6 +114,14 @@ class NotFound(GatewayError):
 
 class ModelNotFound(NotFound):
     code = "model_not_found"
+
+
+class EndpointNotServed(NotFound):
+    """Every upstream of the model answered 501 on this route (llama.cpp's `/v1/embeddings` without
+    `--embeddings`): a 404, as OpenAI answers a model asked on an endpoint it does not serve, and
+    not a 5xx that clients retry."""
+
+    code = "endpoint_not_served"
 
 
 class RateLimited(GatewayError):
@@ -153,7 +175,9 @@ class UpstreamStatusError(UpstreamError):
         if not isinstance(error, dict):
             error = {}
         message = str(error.get("message") or f"upstream {upstream!r} returned HTTP {status_code}")
-        super().__init__(message, param=error.get("param"), code=error.get("code"))
+        code = error.get("code")
+        # OpenAI's codes are words; llama.cpp's `code` repeats the HTTP status, which says nothing more.
+        super().__init__(message, param=error.get("param"), code=code if isinstance(code, str) else None)
         self.status_code = status_code
         self.error_type = str(error.get("type") or ("rate_limit_error" if status_code == 429 else "upstream_error"))
         self.upstream = upstream

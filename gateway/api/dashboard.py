@@ -95,5 +95,6 @@ def upstreams(metrics: Metrics) -> list[dict[str, Any]]:
     for backend in router.backends:
         state = health.get(backend.name)
         rows.append({"name": backend.name, "up": state.available() if state is not None else None,
-                     "state": getattr(state, "state", None), "in_flight": getattr(state, "in_flight", None)})
+                     "state": getattr(state, "state", None), "in_flight": getattr(state, "in_flight", None),
+                     "retries": router.retries(backend) if state is not None else {}})
     return rows

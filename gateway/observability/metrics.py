@@ -241,6 +241,10 @@ def upstream_metrics(router: Router) -> Iterator[Metric]:
                            "circuit not open)", labels=["upstream"])
     in_flight = GaugeMetricFamily("kvgate_upstream_in_flight_requests", "Requests open at the upstream",
                                   labels=["upstream"])
+    retries = CounterMetricFamily("kvgate_upstream_retries", "Requests sent again because the upstream failed "
+                                  "them, by cause: stale_connection (a pooled keep-alive connection it dropped), "
+                                  "connect_error, server_error (a 5xx: failed over), not_served (a 501: failed "
+                                  "over)", labels=["upstream", "cause"])
     # Read defensively: the router's health bookkeeping is optional to this module.
     health = getattr(router, "health", None) or {}
     for backend in router.backends:
@@ -249,8 +253,11 @@ def upstream_metrics(router: Router) -> Iterator[Metric]:
             continue
         up.add_metric([backend.name], 1 if state.available() else 0)
         in_flight.add_metric([backend.name], state.in_flight)
+        for cause, count in sorted(router.retries(backend).items()):
+            retries.add_metric([backend.name, cause], count)
     yield up
     yield in_flight
+    yield retries
 
 
 def slot_metrics(keeper: SlotKeeper) -> Iterator[Metric]:

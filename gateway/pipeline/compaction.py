@@ -1,6 +1,7 @@
 """Cache-safe compaction: continue a conversation that no longer fits the model's context.
 
-When the upstream refuses a chat request as too long (`context_length_exceeded`) and the caller
+When the upstream refuses a chat request as too long (`context_length_exceeded`; llama.cpp's own
+`exceed_context_size_error` is translated to it where it is read, upstream/http.py) and the caller
 opted in, kvgate asks the same upstream to summarise the conversation in a request that keeps the
 exact prefix the previous turn already sent (instructions, tools, history up to the newest user
 turn) and appends the summarise instruction at the end, so the upstream's prefix cache serves the
@@ -19,9 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from gateway.errors import GatewayError, InvalidField
+from gateway.errors import CONTEXT_LENGTH_EXCEEDED, GatewayError, InvalidField
 
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 HOW_TO_OPT_IN = ("; kvgate can compact the conversation instead: send the header `x-kvgate-compact: on` or "
                  "`extra_body={\"kvgate\": {\"compact\": true}}` (or list the tenant in KVGATE_COMPACTION__TENANTS)")
 STATIC_ROLES = frozenset({"system", "developer"})

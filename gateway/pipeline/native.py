@@ -120,11 +120,12 @@ class NativeRoute:
             if call.stream:
                 return await self._stream(call, run, lookup, flight)
             result, route = await self._router.call(call.model, lambda b: b.post_json(self._dialect.path, call.body,
-                                                                                 headers=call.upstream_headers))
+                                                                                 headers=call.upstream_headers),
+                                                    path=self._dialect.path)
             self._router.release(route)
         except GatewayError as exc:
             run.error, run.status = exc, exc.status_code
-            self._record(call, run, None, lookup.status if lookup else None, lookup)
+            self._record(call, run, exc.upstream, lookup.status if lookup else None, lookup)
             if flight is not None:
                 self._flights.fail(flight, exc)
             raise
@@ -168,7 +169,8 @@ class NativeRoute:
 
     async def _stream(self, call: Call, run: _Run, lookup: Lookup | None, flight: Flight | None) -> EventStream:
         stream, route = await self._router.call(call.model, lambda b: b.post_stream(self._dialect.path, call.body,
-                                                                                   headers=call.upstream_headers))
+                                                                                   headers=call.upstream_headers),
+                                                path=self._dialect.path)
         assembler = self._dialect.assembler()
         finished = False
 

@@ -78,6 +78,7 @@ class Proxy:
             salt = tenant_salt(call.principal.tenant)
             result, route = await self.router.call(
                 call.model, lambda b: b.post_json(call.path, call.body, salt=salt), blocks=prepared.blocks, salt=salt,
+                path=call.path,
             )
             self.router.release(route)
         except GatewayError as exc:
@@ -149,7 +150,7 @@ class Proxy:
                     self.flights.abandon(flight)  # the compacted request is another request
                 return await self._compact_and_forward(call, request, prepared)
             exc.message += HOW_TO_OPT_IN
-        self.log.record(request_row(call, started, status=exc.status_code, error=exc,
+        self.log.record(request_row(call, started, status=exc.status_code, upstream=exc.upstream, error=exc,
                                     cache=lookup.status if lookup else call.cache_status,
                                     lookup=lookup))
         if flight is not None:
@@ -189,6 +190,7 @@ class Proxy:
         salt = tenant_salt(call.principal.tenant)
         result, route = await self.router.call(
             call.model, lambda b: b.post_json(call.path, request, salt=salt), blocks=prepared.blocks, salt=salt,
+            path=call.path,
         )
         self.router.release(route)
         usage, _ = self.accountant.finish(route.backend.name, call.model, result.body.get("usage"),

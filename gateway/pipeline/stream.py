@@ -61,7 +61,7 @@ class StreamRun:
             return backend.post_stream(call.path, stream_body(call, backend), salt=salt)
 
         self._stream, self._route = await self._proxy.router.call(call.model, open_on, blocks=prepared.blocks,
-                                                                  salt=salt)
+                                                                  salt=salt, path=call.path)
         return EventStream(self._events(), self._headers(prepared), self.finish)
 
     def _headers(self, prepared: Prepared) -> dict[str, str]:

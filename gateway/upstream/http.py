@@ -13,7 +13,12 @@ request, so it is sent again; only that case is retried (at most twice: the pool
 than one stale connection): a reused connection, dropped before any byte of the answer (measured
 before: 2-7 sporadic 502s per thousands of requests, 99 of 903 under 200 concurrent streams). Idle
 connections are also closed before the upstream's keep-alive timeout would close them
-(`keepalive_timeout_s`), which makes the race rare in the first place.
+(`keepalive_timeout_s`), which makes the race rare in the first place. Each resend is counted
+(`num_stale_retries`, exported as kvgate_upstream_retries_total{cause="stale_connection"}): an
+upstream that keeps dropping its connections (llama.cpp's server does, now and then) shows there.
+
+llama.cpp's own error for a prompt longer than its context is translated to OpenAI's
+`context_length_exceeded` here, where errors are read (`_error_body`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import orjson
 
 from gateway.canonical.prompt_cache import without_prompt_cache_fields
 from gateway.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
     UpstreamConnectError,
     UpstreamProtocolError,
     UpstreamStatusError,
@@ -43,6 +49,9 @@ SALT_HEADER = "x-kvgate-cache-salt"
 # Upstream response headers an error keeps on its way to the client.
 RELAYED_ERROR_HEADERS = ("retry-after", "retry-after-ms")
 STALE_RETRIES = 2
+# llama.cpp's `error.type` for a prompt longer than a slot's context (HTTP 400, with
+# `n_prompt_tokens` and `n_ctx`); OpenAI's code for it is `context_length_exceeded`.
+LLAMACPP_OVERFLOW = "exceed_context_size_error"
 _RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 ANTHROPIC_VERSION = "2023-06-01"
 
@@ -68,6 +77,8 @@ def _error_body(raw: bytes) -> JSONObject:
     except orjson.JSONDecodeError:
         body = None
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        if body["error"].get("type") == LLAMACPP_OVERFLOW:
+            return {"error": _context_length_exceeded(body["error"])}
         return body
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         return {"error": {"message": body["error"]}}
@@ -75,6 +86,18 @@ def _error_body(raw: bytes) -> JSONObject:
         return {"error": {"message": body["detail"]}}
     text = raw[:500].decode("utf-8", "replace").strip()
     return {"error": {"message": text or None}}
+
+
+def _context_length_exceeded(error: JSONObject) -> JSONObject:
+    """llama.cpp's context overflow as OpenAI's: clients, and kvgate's compaction, know that code."""
+    num_prompt, n_ctx = error.get("n_prompt_tokens"), error.get("n_ctx")
+    if isinstance(num_prompt, int) and isinstance(n_ctx, int):
+        message = (f"This model's maximum context length is {n_ctx} tokens. However, your request has "
+                   f"{num_prompt} prompt tokens. Please reduce the length of the messages or prompt.")
+    else:
+        message = str(error.get("message") or "the request exceeds the model's context length")
+    return {"message": message, "type": "invalid_request_error", "param": None,
+            "code": CONTEXT_LENGTH_EXCEEDED}
 
 
 def _error_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
@@ -138,6 +161,9 @@ class HttpBackend:
             total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
         )
         self._session: aiohttp.ClientSession | None = None
+        # Requests sent again on a fresh connection (a pooled one was dropped under them): an upstream
+        # that keeps dropping its keep-alive connections shows here (kvgate_upstream_retries_total).
+        self.num_stale_retries = 0
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -166,6 +192,7 @@ class HttpBackend:
                 # Each retry may draw another stale connection from the pool; a fresh one is never retried.
                 if attempt == STALE_RETRIES or not marks["reused"] or not _dropped_before_answer(exc):
                     raise
+                self.num_stale_retries += 1
         raise AssertionError("unreachable")
 
     def _salt_header(self, salt: str) -> dict[str, str] | None:

@@ -42,7 +42,9 @@ async def relay_stream(
     stream: UpstreamStream, outcome: StreamOutcome, *, drop_usage_chunk: bool,
     rewrite_usage_chunk: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> AsyncIterator[bytes]:
-    """`rewrite_usage_chunk` rewrites the usage chunk (cache accounting) before it is sent."""
+    """`rewrite_usage_chunk` rewrites a chunk that carries usage (cache accounting) before it is
+    sent: the usage-only chunk of chat, or the last chunk of a llama.cpp completion, whose usage
+    rides with its `choices`. `drop_usage_chunk` drops usage-only chunks."""
     splitter = SSESplitter()
     try:
         async for chunk in stream.aiter_bytes():
@@ -107,11 +109,10 @@ def _relayed(event: bytes, payload: dict[str, Any], outcome: StreamOutcome, drop
     """The event as the client gets it (None: dropped), tee'd into the outcome."""
     if outcome.chunks is not None:
         outcome.chunks.append(payload)
-    if _is_usage_only(payload, outcome):
-        if drop_usage_chunk:
-            return None
-        if rewrite_usage_chunk is not None:
-            event = encode_event(rewrite_usage_chunk(payload))
+    if _is_usage_only(payload, outcome) and drop_usage_chunk:
+        return None
+    if payload.get("usage") and rewrite_usage_chunk is not None:
+        event = encode_event(rewrite_usage_chunk(payload))
     if outcome.first_byte_s is None:
         outcome.first_byte_s = time.perf_counter()
     return event

@@ -6,6 +6,7 @@ discovered is asked again, at most every `rediscover_s`, when a request names an
 
 Failover happens only while nothing has reached the client: a connect failure (nothing was sent)
 is retried, then moved on; a 5xx answer moves on to the next backend. Timeouts and 4xx are final.
+What a 5xx or a 501 says, and what the client gets when nothing answered, is upstream/tries.py's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from gateway.errors import (
-    GatewayError,
     ModelNotFound,
     UpstreamConnectError,
     UpstreamError,
@@ -28,9 +28,10 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.upstream.backend import Backend, JSONObject
-from gateway.upstream.health import UpstreamHealth
+from gateway.upstream.health import RetryCause, UpstreamHealth
 from gateway.upstream.prefix_index import PrefixBlock, PrefixIndex
 from gateway.upstream.settings import RoutingSettings, Strategy
+from gateway.upstream.tries import NOT_IMPLEMENTED, Tries
 
 if TYPE_CHECKING:
     from gateway.slots.keeper import Pin, SlotKeeper
@@ -67,6 +68,8 @@ class Router:
         self._last_discovery = 0.0
         self._turn = itertools.count()
         self._checker: asyncio.Task[None] | None = None
+        # (upstream, path) -> (until, what its 501 said): routes an upstream does not serve.
+        self._not_served: dict[tuple[str, str], tuple[float, str]] = {}
 
     # ------------------------------------------------------------------ models
 
@@ -146,47 +149,76 @@ class Router:
         return [(b, matched[b.name]) for b in ranked]
 
     async def call(self, model_id: str, attempt: Callable[[Backend], Awaitable[T]],
-                   blocks: Sequence[PrefixBlock] = (), salt: str = "") -> tuple[T, Route]:
+                   blocks: Sequence[PrefixBlock] = (), salt: str = "", *,
+                   path: str | None = None) -> tuple[T, Route]:
         """Run `attempt` on the best backend for `model_id`. The caller must `release` the route
         when the request is over (for a stream: when the stream ends). On a llama.cpp server the
-        request is pinned to a slot, restored from kvgate's tiers first where that helps."""
+        request is pinned to a slot, restored from kvgate's tiers first where that helps. `path`, the
+        route asked (`/embeddings`): an upstream that answered 501 on it is not asked again for a while."""
         serving = await self._candidates(model_id)
-        last: GatewayError | None = None
+        tries = Tries(self.health)
         for backend, matched in self.order(serving, blocks, salt):
+            if (reason := self._unserved(backend.name, path)) is not None:
+                tries.not_served(backend.name, reason)
+                continue
             health = self.health[backend.name]
             pin = await self.slots.pin(backend, blocks, salt) if self.slots is not None else None
             target: Backend = backend if pin is None else pin.pinned(backend)
             for _ in range(1 + self.settings.connect_retries):
+                tries.begin()
                 health.begin()
                 try:
                     result = await attempt(target)
                 except UpstreamConnectError as exc:
                     health.end(False)
-                    last = exc
+                    tries.failed(backend.name, exc, RetryCause.CONNECT_ERROR)
                     continue
                 except UpstreamStatusError as exc:
-                    health.end(False if exc.status_code >= 500 else None)
-                    self._unpin(pin, backend, failed=exc.status_code >= 500)
+                    health.end(None)  # a 5xx is counted once the next upstream says whose fault it was
+                    exc.upstream = backend.name
+                    self._unpin(pin, backend, failed=False)  # it answered: up, and its slots as kvgate left them
                     if exc.status_code < 500:
                         raise
-                    last = exc
+                    if exc.status_code == NOT_IMPLEMENTED and path is not None:
+                        self._not_served[(backend.name, path)] = (time.monotonic() + self.settings.not_served_s,
+                                                                  exc.message)
+                    tries.answered(backend.name, exc)
                     break
-                except UpstreamError:
+                except UpstreamError as exc:
                     health.end(False)
+                    exc.upstream = backend.name
                     self._unpin(pin, backend, failed=True)
                     raise
                 except BaseException:
                     health.end(None)
                     self._unpin(pin, backend, failed=False)
                     raise
+                tries.settle()
                 if pin is not None:
                     matched = max(matched, pin.cached_blocks * self.settings.block_tokens)
                 return result, Route(backend, blocks, matched, pin)
             else:
                 self._unpin(pin, backend, failed=True)
-        if isinstance(last, UpstreamStatusError):
-            raise last
-        raise UpstreamUnavailable(last.message if last else f"no upstream serves {model_id!r}")
+        raise tries.error(model_id, path)
+
+    def _unserved(self, upstream: str, path: str | None) -> str | None:
+        """What `upstream` said when it answered 501 on `path`, while that is remembered."""
+        if path is None or (entry := self._not_served.get((upstream, path))) is None:
+            return None
+        until, reason = entry
+        if time.monotonic() >= until:
+            del self._not_served[(upstream, path)]
+            return None
+        return reason
+
+    def retries(self, backend: Backend) -> dict[str, int]:
+        """Requests sent again because `backend` failed them, by cause."""
+        counts = {cause.value: n for cause, n in self.health[backend.name].retries.items()}
+        # The HTTP backend resends a request whose pooled connection was dropped under it, and counts it.
+        stale = getattr(backend, "num_stale_retries", 0)
+        if stale:
+            counts[RetryCause.STALE_CONNECTION.value] = stale
+        return counts
 
     def release(self, route: Route, ok: bool | None = True) -> None:
         """End a routed request; a successful one leaves its prefix cached on that backend."""

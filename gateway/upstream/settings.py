@@ -29,6 +29,8 @@ class RoutingSettings(BaseModel):
     failure_threshold: int = Field(default=3, ge=1, description="Failures in a row that open the circuit.")
     cooldown_s: float = Field(default=10.0, gt=0, description="Seconds an open circuit waits before one probe.")
     connect_retries: int = Field(default=1, ge=0, description="Retries of a failed connect on the same upstream.")
+    not_served_s: float = Field(default=300.0, ge=0, description="Seconds an upstream that answered 501 on a "
+                                "route (it does not serve it) is not asked on that route.")
 
 
 class UpstreamSettings(BaseModel):

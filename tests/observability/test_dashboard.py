@@ -55,7 +55,7 @@ def test_summary_shows_tenants_models_and_hits(obs_gateway: Gateway) -> None:
     assert [t["tenant"] for t in data["tenants"]] == ["team-a"]
     assert MODEL in [m["model"] for m in data["models"]]
     assert len(data["series"]["points"]) == 60
-    assert data["upstreams"] == [{"name": "fake", "up": True, "state": "closed", "in_flight": 0}]
+    assert data["upstreams"] == [{"name": "fake", "up": True, "state": "closed", "in_flight": 0, "retries": {}}]
     assert data["kv_tiers"] == [] and data["response_cache"]["entries"] >= 1
     writes = data["cache_writes"]
     assert writes["writes"] == writes["writes_never_read"] == 0, "no Anthropic-style upstream here"

@@ -57,6 +57,16 @@ async def test_usage_chunk_dropped_or_rewritten() -> None:
     assert rewritten == event(CHUNK) + event({**USAGE, "kvgate": 1}) + DONE
 
 
+async def test_usage_riding_on_the_last_choice_is_rewritten_and_kept() -> None:
+    """llama.cpp's streamed completion: the last chunk carries `choices` and `usage` together."""
+    last = {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}], "usage": USAGE["usage"]}
+    for drop in (True, False):
+        out, outcome = await relay(Stream(event(CHUNK), event(last), DONE), drop_usage_chunk=drop,
+                                   rewrite_usage_chunk=lambda c: {**c, "kvgate": 1})
+        assert out == event(CHUNK) + event({**last, "kvgate": 1}) + DONE
+        assert outcome.usage == USAGE["usage"] and outcome.finish_reason == "stop"
+
+
 async def test_garbage_and_early_close_end_with_an_error_event() -> None:
     for pieces in ((event(CHUNK), b"data: {not json\n\n"), (event(CHUNK), b"data: [1, 2]\n\n"), (event(CHUNK),)):
         stream = Stream(*pieces)

@@ -28,6 +28,11 @@ function bytes(v) {
 function ms(v) { return v === null || v === undefined ? "–" : v.toFixed(v < 10 ? 1 : 0) + " ms"; }
 // null: no request in the window had a price (local models are not priced unless configured).
 function usd(v) { return v === null || v === undefined ? "not priced" : "$" + v.toFixed(v >= 100 ? 0 : 4); }
+// An upstream's retries by cause ("3 stale_connection, 1 server_error"), 0 when none.
+function retries(byCause) {
+  const parts = Object.entries(byCause || {}).filter(([, n]) => n > 0).map(([cause, n]) => num(n) + " " + cause);
+  return parts.length ? parts.join(", ") : "0";
+}
 function sum(a, b) { return a === null || b === null ? (a === null ? b : a) : a + b; }
 
 function el(tag, text, cls) {
@@ -230,6 +235,7 @@ function render(data) {
   table($("table-upstreams"), [
     ["upstream", (r) => r.name], ["up", (r) => (r.up === null ? "–" : r.up ? "yes" : "no")],
     ["circuit", (r) => r.state || "–"], ["in flight", (r) => num(r.in_flight)],
+    ["retries", (r) => retries(r.retries)],
   ], data.upstreams);
   table($("table-breaks"), [
     ["time", (r) => new Date(r.time * 1000).toLocaleTimeString()], ["reason", (r) => r.reason],
