@@ -116,10 +116,11 @@ def chat_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[f
 
 def run_traffic(targets: Callable[[int, int, int], str], model: str, sessions: int, turns: int,
                 prompt_tokens: int, answer_tokens: int, order: Callable[[int], list[int]] | None = None,
-                by_session: bool = False) -> Run:
+                by_session: bool = False, first_session: int = 0) -> Run:
     """Turn t of every session, then turn t+1 of every session (`by_session`: a session's turns
     back to back instead). `targets(session, turn, position)`: the base URL to send it to."""
-    history = {s: [{"role": "system", "content": system_prompt(s, prompt_tokens)}] for s in range(sessions)}
+    history = {s: [{"role": "system", "content": system_prompt(first_session + s, prompt_tokens)}]
+               for s in range(sessions)}
     plan = ([(s, t) for s in range(sessions) for t in range(turns)] if by_session else
             [(s, t) for t in range(turns) for s in (order(t) if order else range(sessions))])
     run = Run()
@@ -249,6 +250,10 @@ def main(argv: list[str]) -> int:
         with fleet("warm") as servers:
             model = httpx.get(servers[0].base_url + "/models", timeout=10).json()["data"][0]["id"]
             n = len(servers)
+            # A first session on each server, not measured: the servers of the other runs have served
+            # every session's first turn before any returning turn is timed.
+            run_traffic(lambda s, t, p: servers[s % n].url, model, n, 2, args.prompt_tokens, args.answer_tokens,
+                        by_session=True, first_session=1000)
             warm = run_traffic(lambda s, t, p: servers[s % n].url, model, args.warm_sessions, args.turns,
                                args.prompt_tokens, args.answer_tokens, by_session=True)
         warm_p50 = percentile([t.ttft_s * 1000 for t in warm.returning()], 0.5)

@@ -138,4 +138,5 @@ def test_a_conversation_whose_server_dies_continues_on_another_from_the_tiers(
         second = front.chat(messages)
         where = second.headers["x-kvgate-kv-slot"]
         assert where.split("#")[0] != went and where.endswith("restored=host"), where
+        print(f"after the kill: cached_tokens {cached(second)} of {prompt_tokens(second)} prompt tokens")
         assert cached(second) >= 0.9 * prompt_tokens(second), second.json()["usage"]
