@@ -59,6 +59,6 @@ async def remote_tier_rows(router: Router | None) -> list[dict[str, Any]]:
 async def slot_tier_rows(router: Router | None) -> list[dict[str, Any]]:
     """llama.cpp slot files kept in kvgate's tiers (gateway/slots), one row per tier."""
     keeper = getattr(router, "slots", None)
-    if keeper is None or keeper.store is None:
+    if keeper is None or keeper.store is None or not keeper.servers():  # no llama.cpp upstream (yet)
         return []
     return await asyncio.to_thread(keeper.store.rows)  # counting Redis's files is a SCAN

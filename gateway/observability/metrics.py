@@ -232,7 +232,7 @@ class LiveCollector(Collector):
             yield from kv_metrics(self.kv)
         if self.engine is not None:
             yield from engine_kv_work_metrics(self.engine)
-        if self.router is not None and self.router.slots is not None:
+        if self.router is not None and self.router.slots is not None and self.router.slots.servers():
             yield from slot_metrics(self.router.slots)
 
 

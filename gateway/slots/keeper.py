@@ -31,7 +31,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -260,19 +260,16 @@ class SlotKeeper:
             self.stats.count(self.stats.restores, name, "missing")
             return
         data, tier = got
-        filename = f"kvgate-{uuid.uuid4().hex}.bin"
-        path = server.slot_dir / filename
-        try:
-            await asyncio.to_thread(path.write_bytes, data)
-            answer = await self._post(server, f"/slots/{slot.id}?action=restore", {"filename": filename})
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            slot.held = ()  # a failed restore may have left the slot half-loaded
-            self.stats.count(self.stats.restores, name, "failed")
-            log.warning("upstream %r: slot %d restore failed (%s); forwarded as a plain request", name, slot.id, exc)
-            return
-        finally:
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(path.unlink, True)
+        async with _passing_file(server.slot_dir) as (filename, path):
+            try:
+                await asyncio.to_thread(path.write_bytes, data)
+                answer = await self._post(server, f"/slots/{slot.id}?action=restore", {"filename": filename})
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                slot.held = ()  # a failed restore may have left the slot half-loaded
+                self.stats.count(self.stats.restores, name, "failed")
+                log.warning("upstream %r: slot %d restore failed (%s); forwarded as a plain request",
+                            name, slot.id, exc)
+                return
         restored = answer.get("n_restored")
         if not isinstance(restored, int) or restored <= 0:
             slot.held = ()
@@ -307,19 +304,15 @@ class SlotKeeper:
         assert self.store is not None and server.slot_dir is not None
         name = server.backend.name
         started = time.perf_counter()
-        filename = f"kvgate-{uuid.uuid4().hex}.bin"
-        path = server.slot_dir / filename
-        try:
-            await self._post(server, f"/slots/{slot.id}?action=save", {"filename": filename})
-            data = await asyncio.to_thread(path.read_bytes)
-            stored = await asyncio.to_thread(self.store.put, keys[-1].hex(), data, keys)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            self.stats.count(self.stats.saves, name, "failed")
-            log.warning("upstream %r: slot %d not saved (%s)", name, slot.id, exc)
-            return
-        finally:
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(path.unlink, True)
+        async with _passing_file(server.slot_dir) as (filename, path):
+            try:
+                await self._post(server, f"/slots/{slot.id}?action=save", {"filename": filename})
+                data = await asyncio.to_thread(path.read_bytes)
+                stored = await asyncio.to_thread(self.store.put, keys[-1].hex(), data, keys)
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                self.stats.count(self.stats.saves, name, "failed")
+                log.warning("upstream %r: slot %d not saved (%s)", name, slot.id, exc)
+                return
         self.stats.count(self.stats.saves, name, "saved")
         self.stats.save_s += time.perf_counter() - started
         self.stats.saved_bytes += len(data)
@@ -354,6 +347,19 @@ class SlotKeeper:
         await self.drain()
         if self.store is not None:
             self.store.close()
+
+
+@contextlib.asynccontextmanager
+async def _passing_file(slot_dir: Path) -> AsyncIterator[tuple[str, Path]]:
+    """A fresh file name in a server's slot directory, where slot files pass between the server
+    and kvgate; whatever is left there is removed afterwards."""
+    filename = f"kvgate-{uuid.uuid4().hex}.bin"
+    path = slot_dir / filename
+    try:
+        yield filename, path
+    finally:
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(path.unlink, True)
 
 
 class AnswerError(ValueError):

@@ -228,6 +228,7 @@ class SlotStore:
         self.tiers = list(tiers)
         self.codec = codec
         self._index: OrderedDict[bytes, str] = OrderedDict()
+        self._refs: dict[str, int] = {}  # file -> index entries leading to it
         self._index_entries = index_entries
         self._lock = threading.Lock()
         self.corrupt = 0
@@ -239,15 +240,33 @@ class SlotStore:
         for tier in self.tiers:
             if isinstance(tier, DiskTier):
                 for key, index in tier.scan():
-                    self._remember(key, index)
+                    for orphan in self._remember(key, index):
+                        tier.delete(orphan)
 
-    def _remember(self, key: str, index: Iterable[bytes]) -> None:
+    def _remember(self, key: str, index: Iterable[bytes]) -> list[str]:
+        """Index `key` under its blocks; the files no block leads to any more. A conversation's next
+        turn covers every block of its last one, so its file replaces the last one's."""
+        orphans: list[str] = []
         with self._lock:
             for block in index:
+                old = self._index.get(block)
+                if old != key:
+                    self._refs[key] = self._refs.get(key, 0) + 1
+                    if old is not None:
+                        self._release(old, orphans)
                 self._index[block] = key
                 self._index.move_to_end(block)
             while len(self._index) > self._index_entries:
-                self._index.popitem(last=False)
+                self._release(self._index.popitem(last=False)[1], orphans)
+        return orphans
+
+    def _release(self, key: str, orphans: list[str]) -> None:
+        left = self._refs.get(key, 0) - 1
+        if left > 0:
+            self._refs[key] = left
+        else:
+            self._refs.pop(key, None)
+            orphans.append(key)
 
     def put(self, key: str, data: bytes, index: Sequence[bytes]) -> int:
         """Encode and store a slot file; the encoded size."""
@@ -260,7 +279,8 @@ class SlotStore:
                     self.bytes_written[tier.name] += len(blob)
             except Exception as exc:  # a tier that fails loses only this copy
                 log.warning("slot tier %s could not store %s: %s", tier.name, key[:12], exc)
-        self._remember(key, index)
+        for orphan in self._remember(key, index):
+            self.delete(orphan)
         return len(blob)
 
     def find(self, blocks: Sequence[bytes]) -> tuple[str, int] | None:

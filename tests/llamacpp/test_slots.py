@@ -16,6 +16,7 @@ import httpx
 from bench.llama_servers import LlamaServer
 from gateway.pipeline.call import tenant_salt
 from gateway.slots.keeper import SlotKeeper
+from tests.conftest import ADMIN_SECRET
 from tests.llamacpp.conftest import kvgate_in_front
 
 ROUND_ROBIN = {"strategy": "round_robin"}
@@ -65,6 +66,15 @@ def test_a_slot_saved_on_one_server_is_restored_on_another(
         assert cached(second) >= prompt_tokens(first), second.json()["usage"]
         assert front.keeper.stats.restores.get((where.split("#")[0], "restored")) == 1
         assert second.json()["choices"][0]["message"]["content"]
+        front.wait_saves(2)
+        # The dashboard's KV tiers table and the metrics show the files kept: one, since the second
+        # turn's file covers every block of the first's and replaced it.
+        admin = {"authorization": f"Bearer {ADMIN_SECRET}"}
+        summary = httpx.get(front.url + "/dashboard/api/summary", headers=admin, timeout=30).json()
+        [host] = [row for row in summary["kv_tiers"] if row["name"] == "llama.cpp slots: host"]
+        assert host["files"] == 1 and host["used_bytes"] > 0 and host["hits"] == 1
+        metrics = httpx.get(front.url + "/metrics", headers=admin, timeout=30).text
+        assert 'kvgate_slot_files{tier="host"} 1.0' in metrics
 
 
 def test_a_returning_conversation_goes_to_the_slot_that_holds_it(
