@@ -19,7 +19,10 @@ class SlotSettings(BaseModel):
     redis_url: str | None = Field(default=None, description="Redis for slot files shared by every kvgate replica.")
     redis_cluster: bool = Field(default=False, description="redis_url names a Redis Cluster node.")
     redis_ttl_s: int = Field(default=24 * 3600, gt=0, description="Seconds a slot file stays in Redis.")
-    compress: bool = Field(default=True, description="Compress slot files losslessly (byte planes + zstd).")
+    compress: bool = Field(
+        default=True, description="Compress slot files on disk and in Redis losslessly (byte planes + zstd); host "
+        "memory keeps them uncompressed, off the restore's path."
+    )
     save_wait_s: float = Field(
         default=10.0, gt=0, description="Longest a request waits for the slot it needs to finish saving its last user."
     )

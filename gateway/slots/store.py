@@ -222,11 +222,16 @@ class RedisTier:
 
 class SlotStore:
     """The tiers, fastest first, and the index. `put` writes every tier; `get` reads the first that
-    has the blob and copies it into host memory."""
+    has the blob and copies it into host memory.
+
+    Host memory keeps files uncompressed (still checksummed): a restore from there is on the
+    request's path, where decompressing some 20 MB costs more than the 15-25% of memory it saves.
+    Disk and Redis keep them compressed by `codec`, where the bytes moved cost more than the work."""
 
     def __init__(self, tiers: Sequence[SlotTier], codec: SlotCodec, index_entries: int = 1_000_000) -> None:
         self.tiers = list(tiers)
         self.codec = codec
+        self.host_codec = SlotCodec(compress=False)
         self._index: OrderedDict[bytes, str] = OrderedDict()
         self._refs: dict[str, int] = {}  # file -> index entries leading to it
         self._index_entries = index_entries
@@ -269,19 +274,28 @@ class SlotStore:
             orphans.append(key)
 
     def put(self, key: str, data: bytes, index: Sequence[bytes]) -> int:
-        """Encode and store a slot file; the encoded size."""
-        blob = self.codec.encode(data)
-        self.raw_bytes += len(data)
-        self.encoded_bytes += len(blob)
+        """Encode and store a slot file; the size of the largest blob stored."""
+        blobs: dict[bool, bytes] = {}  # host tier or not -> the blob for it
+
+        def blob_for(tier: SlotTier) -> bytes:
+            host = isinstance(tier, HostTier)
+            if host not in blobs:
+                blobs[host] = (self.host_codec if host else self.codec).encode(data)
+                if not host:
+                    self.raw_bytes += len(data)
+                    self.encoded_bytes += len(blobs[host])
+            return blobs[host]
+
         for tier in self.tiers:
             try:
+                blob = blob_for(tier)
                 if tier.put(key, blob, index):
                     self.bytes_written[tier.name] += len(blob)
             except Exception as exc:  # a tier that fails loses only this copy
                 log.warning("slot tier %s could not store %s: %s", tier.name, key[:12], exc)
         for orphan in self._remember(key, index):
             self.delete(orphan)
-        return len(blob)
+        return max((len(b) for b in blobs.values()), default=0)
 
     def find(self, blocks: Sequence[bytes]) -> tuple[str, int] | None:
         """The file for the deepest of `blocks` (index keys, shallowest first) that has one, and how
@@ -323,7 +337,7 @@ class SlotStore:
             self.reads[tier.name] += 1
             self.bytes_read[tier.name] += len(blob)
             if i > 0 and isinstance(self.tiers[0], HostTier):
-                self.tiers[0].put(key, blob, ())
+                self.tiers[0].put(key, self.host_codec.encode(data), ())
             return data, tier.name
         return None
 
@@ -354,7 +368,8 @@ class SlotStore:
                 "occupancy": used / budget if budget else None, "hits": self.reads[tier.name], "misses": None,
                 "hit_ratio": None, "evictions": getattr(tier, "evictions", None), "admission_rejects": None,
                 "bytes_read": self.bytes_read[tier.name], "bytes_written": self.bytes_written[tier.name],
-                "codec_ratio": self.raw_bytes / self.encoded_bytes if self.encoded_bytes else None,
+                "codec_ratio": (self.raw_bytes / self.encoded_bytes
+                                if self.encoded_bytes and not isinstance(tier, HostTier) else None),
             })
         return rows
 
