@@ -274,6 +274,10 @@ def slot_metrics(keeper: SlotKeeper) -> Iterator[Metric]:
     for (upstream, outcome), n in sorted(stats.saves.items()):
         saves.add_metric([upstream, outcome], n)
     yield saves
+    yield CounterMetricFamily("kvgate_slot_restore_seconds", "Seconds spent restoring slot files before requests "
+                              "(tier read, file written, the server's load)", value=stats.restore_s)
+    yield CounterMetricFamily("kvgate_slot_save_seconds", "Seconds spent saving slots after turns, off the "
+                              "requests' path (the server's save, file read, codec, tiers)", value=stats.save_s)
     if keeper.store is None:
         return
     files = GaugeMetricFamily("kvgate_slot_files", "Slot files held, by tier", labels=["tier"])

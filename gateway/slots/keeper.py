@@ -94,10 +94,8 @@ class Pin:
 class SlotStats:
     restores: dict[tuple[str, str], int] = field(default_factory=dict)  # (upstream, outcome) -> count
     saves: dict[tuple[str, str], int] = field(default_factory=dict)
-    restore_s: float = 0.0
+    restore_s: float = 0.0  # time spent restoring (on requests' paths) and saving (off them)
     save_s: float = 0.0
-    saved_bytes: int = 0
-    stored_bytes: int = 0
 
     def count(self, table: dict[tuple[str, str], int], upstream: str, outcome: str) -> None:
         table[(upstream, outcome)] = table.get((upstream, outcome), 0) + 1
@@ -308,15 +306,13 @@ class SlotKeeper:
             try:
                 await self._post(server, f"/slots/{slot.id}?action=save", {"filename": filename})
                 data = await asyncio.to_thread(path.read_bytes)
-                stored = await asyncio.to_thread(self.store.put, keys[-1].hex(), data, keys)
+                await asyncio.to_thread(self.store.put, keys[-1].hex(), data, keys)
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 self.stats.count(self.stats.saves, name, "failed")
                 log.warning("upstream %r: slot %d not saved (%s)", name, slot.id, exc)
                 return
         self.stats.count(self.stats.saves, name, "saved")
         self.stats.save_s += time.perf_counter() - started
-        self.stats.saved_bytes += len(data)
-        self.stats.stored_bytes += stored
 
     async def drain(self) -> None:
         """Wait for the saves in flight (tests, benchmarks, shutdown)."""

@@ -75,6 +75,7 @@ def test_a_slot_saved_on_one_server_is_restored_on_another(
         assert host["files"] == 1 and host["used_bytes"] > 0 and host["hits"] == 1
         metrics = httpx.get(front.url + "/metrics", headers=admin, timeout=30).text
         assert 'kvgate_slot_files{tier="host"} 1.0' in metrics
+        assert 'kvgate_slot_restores_total{outcome="restored",upstream="' in metrics
 
 
 def test_a_returning_conversation_goes_to_the_slot_that_holds_it(
