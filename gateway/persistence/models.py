@@ -34,6 +34,14 @@ class Tenant(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Limits (null: none). Requests and tokens per minute, concurrent requests, and a spend budget
+    # in USD per `budget_period_s` (null: for the key's whole life) counted from `budget_started_at`.
+    rpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_parallel: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    budget_usd: Mapped[float | None] = mapped_column(Float, nullable=True)
+    budget_period_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    budget_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class ApiKey(Base):
@@ -51,11 +59,21 @@ class ApiKey(Base):
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # An admin key opens /dashboard and /admin like KVGATE_ADMIN_KEY (the first start creates one).
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Limits (null: none). Requests and tokens per minute, concurrent requests, and a spend budget
+    # in USD per `budget_period_s` (null: for the key's whole life) counted from `budget_started_at`.
+    rpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_parallel: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    budget_usd: Mapped[float | None] = mapped_column(Float, nullable=True)
+    budget_period_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    budget_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class RequestLog(Base):
     __tablename__ = "request_log"
-    __table_args__ = (Index("ix_request_log_created_at", "created_at"),)
+    __table_args__ = (Index("ix_request_log_created_at", "created_at"),
+                      Index("ix_request_log_key_created", "key_prefix", "created_at"),
+                      Index("ix_request_log_tenant_created", "tenant", "created_at"))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     request_id: Mapped[str] = mapped_column(String(64))
@@ -83,6 +101,13 @@ class RequestLog(Base):
     # How a miss's or a semantic hit's semantic lookup ended (`x-kvgate-semantic-stage`: ruled-out,
     # judged, variant); null when it had none.
     semantic_stage: Mapped[str | None] = mapped_column(String(16))
+    # The key that made the request (its 12-character prefix, as `kvgate keys list` shows it); null
+    # for the admin key from the environment and for --no-auth.
+    key_prefix: Mapped[str | None] = mapped_column(String(16))
+    # What the request cost and what the caches saved, at the configured prices (usage/accounting.py);
+    # null when its model is not priced. A response-cache hit costs 0.
+    cost_usd: Mapped[float | None] = mapped_column(Float)
+    saved_usd: Mapped[float | None] = mapped_column(Float)
 
 
 class ResponseCacheEntry(Base):
