@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from gateway.api import admin, dashboard, feedback, health, messages, openai, responses_api
+from gateway.api import admin, admin_limits, dashboard, feedback, health, messages, openai, responses_api
 from gateway.api.openapi import install_openapi
 from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
+from gateway.limits.asgi import LeaseMiddleware
+from gateway.limits.gate import open_gate
 from gateway.observability.install import attach_observability, install_observability
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
 from gateway.persistence.keys import FirstKeys, KeyStore, create_first_keys
@@ -34,7 +36,7 @@ from gateway.slots.store import open_slot_store
 from gateway.upstream.backend import Backend
 from gateway.upstream.http import HttpBackend
 from gateway.upstream.router import Router
-from gateway.usage.accounting import Accountant
+from gateway.usage.accounting import Accountant, row_pricer
 from gateway.usage.cache_writes import CacheWriteTracker
 
 if TYPE_CHECKING:
@@ -114,8 +116,12 @@ def create_app(settings: Settings) -> FastAPI:
         db = make_engine(settings.database_url, pool_size=settings.db_pool_size,
                          max_overflow=settings.db_max_overflow, pool_timeout_s=settings.db_pool_timeout_s)
         sessions = make_sessionmaker(db)
-        request_log = RequestLogWriter(sessions, batch_size=settings.request_log_batch)
+        request_log = RequestLogWriter(sessions, batch_size=settings.request_log_batch,
+                                       price=row_pricer(settings.price_for))
         request_log.start()
+        gate = open_gate(settings.limits, sessions)
+        if gate is not None:
+            request_log.observers.append(gate.observe)
         configure_process(settings, engine_in_process=not settings.upstreams)
         router, engine = await build_router(settings)
         attach_observability(app, request_log=request_log, router=router, engine=engine)
@@ -155,6 +161,7 @@ def create_app(settings: Settings) -> FastAPI:
             cache_writes=cache_writes,
             native_responses=NativeRoute(RESPONSES, router, request_log, response_cache, proxy.flights),
             embedding_cache=EmbeddingCache(response_cache, proxy, request_log) if response_cache is not None else None,
+            gate=gate,
         )
         try:
             yield
@@ -165,12 +172,15 @@ def create_app(settings: Settings) -> FastAPI:
             if engine is not None:
                 engine.close()
             await request_log.stop()
+            if gate is not None:
+                await gate.aclose()
             await db.dispose()
 
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
     install_openapi(app)
     install_observability(app, settings)
+    app.add_middleware(LeaseMiddleware)
     if settings.observability.metrics_enabled:
         app.include_router(dashboard.metrics_router)
     if settings.observability.dashboard_enabled:
@@ -181,4 +191,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(responses_api.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(admin_limits.router)
     return app

@@ -127,6 +127,19 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    from gateway.persistence.keys_command import limit_value
+
+    none = " ('none' removes it)"
+    parser.add_argument("--rpm", type=limit_value(int), help="requests per minute" + none)
+    parser.add_argument("--tpm", type=limit_value(int), help="upstream tokens (prompt + completion) per minute" + none)
+    parser.add_argument("--max-parallel", type=limit_value(int), help="requests in flight at once" + none)
+    parser.add_argument("--budget", type=limit_value(float), metavar="USD",
+                        help="spend budget in USD at the configured prices (KVGATE_USAGE__PRICES)" + none)
+    parser.add_argument("--budget-period", metavar="PERIOD",
+                        help="how often the budget renews: 30d, 7d, 24h, 1w ('none': once, for the key's life)")
+
+
 def cmd_keys(args: argparse.Namespace) -> int:
     from gateway.observability.summary import parse_duration
     from gateway.persistence.keys import ADMIN_TENANT
@@ -226,7 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--admin", action="store_true",
                         help="an admin key: /dashboard, /admin, every tenant's view (default: a tenant key)")
     create.add_argument("--expires-in", metavar="DURATION", help="e.g. 90s, 15m, 12h, 30d (default: never)")
+    add_limit_flags(create)
     create.add_argument("--database-url", help=database)
+    update = keys_sub.add_parser("update", help="change the limits of a key, or of a whole tenant (--tenant)")
+    update.add_argument("key", metavar="KEY_OR_PREFIX", nargs="?", help="the key, or its 12-character prefix")
+    update.add_argument("--tenant", help="set the tenant's limits (all its keys together) instead of a key's")
+    add_limit_flags(update)
+    update.add_argument("--database-url", help=database)
     listing = keys_sub.add_parser("list", help="list keys (their 12-character prefix, never the key)")
     listing.add_argument("--tenant", help="only this tenant's keys (default: every tenant's)")
     listing.add_argument("--database-url", help=database)

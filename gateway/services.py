@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
+from gateway.limits.gate import Gate
 from gateway.persistence.keys import KeyStore
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.pipeline.embeddings import EmbeddingCache
@@ -32,3 +33,4 @@ class Services:
     # Anthropic prompt-cache writes never read (GET /admin/provider-cache/writes).
     cache_writes: CacheWriteTracker | None = None
     embedding_cache: EmbeddingCache | None = None
+    gate: Gate | None = None  # limits on keys and tenants (gateway/limits); None when turned off

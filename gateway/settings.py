@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from gateway.canonical.settings import CanonicalSettings
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
+from gateway.limits.settings import LimitsSettings
 from gateway.observability.settings import ObservabilitySettings
 from gateway.persistence.location import resolve_database_url
 from gateway.pipeline.compaction import CompactionSettings
@@ -71,6 +72,7 @@ class Settings(BaseSettings):
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     compaction: CompactionSettings = Field(default_factory=CompactionSettings)
     condense: CondenseSettings = Field(default_factory=CondenseSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
 
     @field_validator("database_url")
     @classmethod

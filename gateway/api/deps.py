@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from gateway.api.auth import authenticate
 from gateway.errors import PermissionDenied
+from gateway.limits.asgi import SLOT
 from gateway.observability.metrics import Metrics
 from gateway.persistence.keys import Principal
 from gateway.services import Services
@@ -39,7 +40,23 @@ async def require_admin(request: Request) -> None:
             "`kvgate serve` printed at first start, a new one from `kvgate keys create --admin`, or KVGATE_ADMIN_KEY")
 
 
+async def admitted(request: Request) -> Principal:
+    """The principal of a generation request, past its key's and tenant's limits (gateway/limits):
+    429 when over one; else its lease is left where LeaseMiddleware releases it after the response."""
+    principal = await authenticate(request)
+    gate = request.app.state.services.gate
+    if gate is not None:
+        lease = await gate.admit(principal, request.headers.get("x-request-id", ""))
+        if lease is not None and (slot := request.scope.get(SLOT)) is not None:
+            slot["lease"], slot["gate"] = lease, gate
+        elif lease is not None:  # no middleware to release it (an app without it): release now
+            gate.release(lease)
+    return principal
+
+
 ServicesDep = Annotated[Services, Depends(get_services)]
 PrincipalDep = Annotated[Principal, Depends(authenticate)]
+# Generation routes: authenticated and admitted by the limits.
+AdmittedDep = Annotated[Principal, Depends(admitted)]
 AdminDep = Annotated[None, Depends(require_admin)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.api.body import read_json
-from gateway.api.deps import PrincipalDep, ServicesDep
+from gateway.api.deps import AdmittedDep, ServicesDep
 from gateway.api.openai import request_id
 from gateway.api.render import render
 from gateway.api.translate import translate_json, translate_stream
@@ -44,7 +44,7 @@ def _stream_error(envelope: dict[str, Any]) -> bytes:
 
 
 @router.post("/messages")
-async def messages(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+async def messages(request: Request, services: ServicesDep, principal: AdmittedDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
     controls = read_controls(request.headers, body)
     anthropic.check_required(body)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.api.body import read_json, validate
-from gateway.api.deps import PrincipalDep, ServicesDep
+from gateway.api.deps import AdmittedDep, PrincipalDep, ServicesDep
 from gateway.api.render import render
 from gateway.api.responses import json_response
 from gateway.canonical.prompt_cache import with_prompt_cache_key
@@ -30,7 +30,7 @@ def request_id(request: Request) -> str:
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+async def chat_completions(request: Request, services: ServicesDep, principal: AdmittedDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
     condense = read_condense(request.headers, body, services.settings.condense, principal.tenant,
                              body.get("model") if isinstance(body.get("model"), str) else None)
@@ -50,7 +50,7 @@ async def chat_completions(request: Request, services: ServicesDep, principal: P
 
 
 @router.post("/completions")
-async def completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+async def completions(request: Request, services: ServicesDep, principal: AdmittedDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
     controls = read_controls(request.headers, body)
     parsed = validate(CompletionRequest, body)
@@ -64,7 +64,7 @@ async def completions(request: Request, services: ServicesDep, principal: Princi
 
 
 @router.post("/embeddings")
-async def embeddings(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+async def embeddings(request: Request, services: ServicesDep, principal: AdmittedDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
     controls = read_controls(request.headers, body)
     parsed = validate(EmbeddingRequest, body)

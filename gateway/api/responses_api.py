@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.api.body import read_json
-from gateway.api.deps import PrincipalDep, ServicesDep
+from gateway.api.deps import AdmittedDep, ServicesDep
 from gateway.api.messages import speaks
 from gateway.api.openai import request_id
 from gateway.api.render import render
@@ -26,7 +26,7 @@ router = APIRouter(prefix="/v1")
 
 
 @router.post("/responses")
-async def responses(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
+async def responses(request: Request, services: ServicesDep, principal: AdmittedDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
     controls = read_controls(request.headers, body)
     session = request.headers.get("x-kvgate-session")

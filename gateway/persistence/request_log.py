@@ -49,6 +49,9 @@ class RequestRecord:
     condensed_from_tokens: int | None = None
     semantic_skipped: str | None = None
     semantic_stage: str | None = None
+    key_prefix: str | None = None
+    cost_usd: float | None = None  # set by the writer's `price` (usage/accounting.py: price_row)
+    saved_usd: float | None = None
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -78,9 +81,11 @@ def column_values(row: RequestRecord) -> dict[str, Any]:
 class RequestLogWriter:
     def __init__(
         self, sessions: async_sessionmaker, batch_size: int = 256, max_queue: int = 100_000,
-        flush_interval_s: float = 0.25,
+        flush_interval_s: float = 0.25, price: Callable[[RequestRecord], None] | None = None,
     ) -> None:
         self._sessions = sessions
+        # Sets a row's cost and saving before anyone sees it (budgets are charged from them).
+        self._price = price
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
         self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=max_queue)
@@ -92,6 +97,8 @@ class RequestLogWriter:
         self.observers: list[Callable[[RequestRecord], None]] = []
 
     def record(self, row: RequestRecord) -> None:
+        if self._price is not None:
+            self._price(row)
         for observe in self.observers:
             observe(row)
         try:

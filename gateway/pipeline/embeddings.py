@@ -83,7 +83,8 @@ class EmbeddingCache:
             # Nothing went upstream, so the proxy logged nothing: the hit is logged here.
             self._log.record(RequestRecord(request_id=call.request_id, tenant=call.principal.tenant, route=call.route,
                                            model=call.model, status=200,
-                                           total_ms=(time.perf_counter() - started) * 1000, cache=status))
+                                           total_ms=(time.perf_counter() - started) * 1000, cache=status,
+                                           key_prefix=call.principal.key_prefix))
         body = {"object": "list", "model": model, "usage": usage,
                 "data": [{"object": "embedding", "index": i, "embedding": vectors[i]} for i in range(len(inputs))],
                 "kvgate": {"cached_inputs": cached, "inputs": len(inputs)}}

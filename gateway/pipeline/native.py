@@ -218,7 +218,7 @@ class NativeRoute:
             total_ms=(time.perf_counter() - run.started) * 1000,
             error_type=(error.code or error.error_type) if error else None, cache=cache,
             cache_creation_tokens=usage.get("cache_creation_input_tokens"),
-            semantic_skipped=semantic_skipped, semantic_stage=semantic_stage,
+            semantic_skipped=semantic_skipped, semantic_stage=semantic_stage, key_prefix=call.principal.key_prefix,
         ))
 
 

@@ -41,6 +41,7 @@ def request_row(call: Call, started: float, *, status: int, upstream: str | None
         condensed_from_tokens=condensed_from(usage),
         semantic_skipped=semantic_skipped,
         semantic_stage=semantic_stage,
+        key_prefix=call.principal.key_prefix,
     )
 
 

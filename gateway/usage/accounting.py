@@ -11,10 +11,15 @@ upstream reports its own figure.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from gateway.responsecache.status import HIT_KINDS
 from gateway.usage.settings import Price
+
+if TYPE_CHECKING:
+    from gateway.persistence.request_log import RequestRecord
 
 UPSTREAM, ESTIMATED = "upstream", "estimated"
 
@@ -92,3 +97,25 @@ class Accountant:
         accounted = account(usage, estimated_cached, self._prices.get(model))
         self._reports[backend] = accounted.source == UPSTREAM
         return annotate(usage, accounted), accounted
+
+
+def row_pricer(price_for: Callable[[str | None], Price | None]) -> Callable[[RequestRecord], None]:
+    """Sets a request-log row's `cost_usd` and `saved_usd` at the configured prices (left null for
+    models that are not priced, such as the built-in engine's). A response-cache hit costs nothing
+    and saves what its answer cost; an upstream answer costs its uncached input, its cached input at
+    the cached rate and its output, and saves the cached input's discount."""
+
+    def price_row(row: RequestRecord) -> None:
+        price = price_for(row.model)
+        if price is None:
+            return
+        prompt, completion = row.prompt_tokens or 0, row.completion_tokens or 0
+        full = (prompt * price.input + completion * price.output) / 1e6
+        if row.cache in HIT_KINDS:
+            row.cost_usd, row.saved_usd = 0.0, full
+            return
+        cached = min(row.cached_tokens or 0, prompt)
+        row.cost_usd = ((prompt - cached) * price.input + cached * price.cached_input + completion * price.output) / 1e6
+        row.saved_usd = full - row.cost_usd
+
+    return price_row

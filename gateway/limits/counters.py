@@ -1,0 +1,344 @@
+"""Where limits are counted: in this process (`MemoryCounters`, one gateway) or in Redis
+(`RedisCounters`, every replica of a deployment against the same counts, in one round trip).
+
+Both count the same things for each scope (a key, a tenant):
+
+    requests   this minute's admitted requests              (fixed one-minute windows)
+    tokens     this minute's upstream tokens, charged when the answer's usage is known
+    parallel   requests admitted and not yet finished      (a lease each, released at the end)
+    spend      this budget period's cost in USD            (seeded from the request log)
+
+A request is admitted only when every scope has room; then, and only then, its request and its
+lease are counted, so a refused request uses nothing. Tokens and spend are charged after the
+answer, off the request's path. A budget's spend is seeded from the request log (`SpendLedger`,
+the source of truth), so a restart or a Redis that lost its keys loses no spend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.limits.policy import MINUTE_S, Limits, minute_window
+from gateway.persistence.models import RequestLog
+
+log = logging.getLogger(__name__)
+# A lease left by a replica that died mid-request stops counting after this long.
+LEASE_TTL_S = 600
+
+
+@dataclass(slots=True, frozen=True)
+class Scope:
+    """A key or a tenant with limits. `name` is the counters' key (`key:kvg-AbC...`, `tenant:acme`)."""
+
+    name: str
+    label: str  # for messages: "key kvg-AbCdEf12" / "tenant 'acme'"
+    limits: Limits
+    column: str  # the request log column its spend is summed by: key_prefix or tenant
+    value: str
+
+
+@dataclass(slots=True)
+class Used:
+    """One scope's counts before this request: what `x-ratelimit-remaining-*` are made of."""
+
+    requests: int = 0
+    tokens: int = 0
+    parallel: int = 0
+    spend: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class Refusal:
+    scope: Scope
+    kind: str  # requests, tokens, parallel, budget
+    limit: float
+    used: float
+
+
+class Counters(Protocol):
+    async def admit(self, scopes: list[Scope], lease: str, now: float) -> list[Used] | Refusal: ...
+
+    def charge(self, scopes: list[Scope], tokens: int, cost_usd: float, now: float) -> None: ...
+
+    def release(self, scopes: list[Scope], lease: str) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class SpendLedger:
+    """A scope's spend in a budget period, summed from the request log (what every replica wrote)."""
+
+    def __init__(self, sessions: async_sessionmaker) -> None:
+        self._sessions = sessions
+
+    async def spent(self, scope: Scope, since: float) -> float:
+        column = RequestLog.key_prefix if scope.column == "key_prefix" else RequestLog.tenant
+        async with self._sessions() as session:
+            total = await session.scalar(
+                select(func.coalesce(func.sum(RequestLog.cost_usd), 0.0))
+                .where(column == scope.value, RequestLog.created_at >= datetime.fromtimestamp(since, UTC)))
+        return float(total or 0.0)
+
+
+def _refusal(scope: Scope, used: Used) -> Refusal | None:
+    limits = scope.limits
+    if limits.budget_usd is not None and used.spend >= limits.budget_usd:
+        return Refusal(scope, "budget", limits.budget_usd, used.spend)
+    if limits.rpm is not None and used.requests >= limits.rpm:
+        return Refusal(scope, "requests", limits.rpm, used.requests)
+    if limits.tpm is not None and used.tokens >= limits.tpm:
+        return Refusal(scope, "tokens", limits.tpm, used.tokens)
+    if limits.max_parallel is not None and used.parallel >= limits.max_parallel:
+        return Refusal(scope, "parallel", limits.max_parallel, used.parallel)
+    return None
+
+
+@dataclass(slots=True)
+class _Spend:
+    window_start: float
+    amount: float
+    read_at: float  # monotonic time of the last read from the ledger
+
+
+@dataclass(slots=True)
+class _Minute:
+    index: int = -1
+    requests: int = 0
+    tokens: int = 0
+
+
+@dataclass(slots=True)
+class _ScopeCounts:
+    minute: _Minute = field(default_factory=_Minute)
+    leases: set[str] = field(default_factory=set)
+    spend: _Spend | None = None
+
+
+class MemoryCounters:
+    """Counts in this process: exact for one gateway process. With several replicas and no Redis,
+    requests, tokens and leases are each replica's own; spend is re-read from the request log
+    every `refresh_s`, so budgets hold across replicas within that lag."""
+
+    def __init__(self, ledger: SpendLedger, refresh_s: float = 5.0) -> None:
+        self._ledger = ledger
+        self._refresh_s = refresh_s
+        self._scopes: dict[str, _ScopeCounts] = {}
+        self._refreshing: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _counts(self, scope: Scope, minute: int) -> _ScopeCounts:
+        counts = self._scopes.get(scope.name)
+        if counts is None:
+            if len(self._scopes) > 100_000:  # scopes without a lease, spend or this minute's counts
+                self._scopes = {k: v for k, v in self._scopes.items() if v.leases or v.minute.index == minute}
+            counts = self._scopes[scope.name] = _ScopeCounts()
+        if counts.minute.index != minute:
+            counts.minute = _Minute(minute)
+        return counts
+
+    async def _spend(self, scope: Scope, counts: _ScopeCounts, now: float) -> float:
+        start, _ = scope.limits.budget_window(now)
+        spend = counts.spend
+        if spend is None or spend.window_start != start:
+            # First sight of this period: read it before answering.
+            counts.spend = spend = _Spend(start, await self._ledger.spent(scope, start), time.monotonic())
+        elif time.monotonic() - spend.read_at > self._refresh_s and scope.name not in self._refreshing:
+            self._refreshing.add(scope.name)
+            self._spawn(self._reread(scope, spend))
+        return spend.amount
+
+    async def _reread(self, scope: Scope, spend: _Spend) -> None:
+        try:
+            spend.amount, spend.read_at = await self._ledger.spent(scope, spend.window_start), time.monotonic()
+        except Exception as exc:  # the database is down: keep counting from what was read
+            log.warning("limits: could not re-read spend of %s (%s)", scope.label, type(exc).__name__)
+        finally:
+            self._refreshing.discard(scope.name)
+
+    def _spawn(self, work: object) -> None:
+        task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def admit(self, scopes: list[Scope], lease: str, now: float) -> list[Used] | Refusal:
+        minute, _ = minute_window(now)
+        found: list[Used] = []
+        for scope in scopes:
+            counts = self._counts(scope, minute)
+            spend = await self._spend(scope, counts, now) if scope.limits.budget_usd is not None else 0.0
+            used = Used(counts.minute.requests, counts.minute.tokens, len(counts.leases), spend)
+            if (refusal := _refusal(scope, used)) is not None:
+                return refusal
+            found.append(used)
+        for scope in scopes:
+            counts = self._counts(scope, minute)
+            counts.minute.requests += 1
+            if scope.limits.max_parallel is not None:
+                counts.leases.add(lease)
+        return found
+
+    def charge(self, scopes: list[Scope], tokens: int, cost_usd: float, now: float) -> None:
+        minute, _ = minute_window(now)
+        for scope in scopes:
+            counts = self._counts(scope, minute)
+            counts.minute.tokens += tokens
+            if counts.spend is not None:
+                counts.spend.amount += cost_usd
+
+    def release(self, scopes: list[Scope], lease: str) -> None:
+        for scope in scopes:
+            if (counts := self._scopes.get(scope.name)) is not None:
+                counts.leases.discard(lease)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
+# One round trip per request: check every scope, then count the request and its lease in all of
+# them, or in none. KEYS: 4 per scope (requests this minute, tokens this minute, leases, spend this
+# period). ARGV: now_ms, lease, lease_ttl_ms, then 4 per scope (rpm, tpm, parallel, budget; -1 for
+# none). Returns {1, requests, tokens, parallel, spend, ...} per scope, {0, scope, kind, used}
+# refused, or {2, scope}: that scope's spend is not in Redis, seed it from the request log first.
+_ADMIT = """
+local now = tonumber(ARGV[1])
+local used = {}
+for i = 0, #KEYS / 4 - 1 do
+  local k, a = i * 4, 3 + i * 4
+  local rpm, tpm, par, budget = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), ARGV[a + 4]
+  local requests = tonumber(redis.call('GET', KEYS[k + 1]) or '0')
+  local tokens = tonumber(redis.call('GET', KEYS[k + 2]) or '0')
+  redis.call('ZREMRANGEBYSCORE', KEYS[k + 3], '-inf', now)
+  local parallel = redis.call('ZCARD', KEYS[k + 3])
+  local spend = '0'
+  if budget ~= '-1' then
+    spend = redis.call('GET', KEYS[k + 4])
+    if not spend then return {2, i} end
+    if tonumber(spend) >= tonumber(budget) then return {0, i, 'budget', spend} end
+  end
+  if rpm >= 0 and requests >= rpm then return {0, i, 'requests', tostring(requests)} end
+  if tpm >= 0 and tokens >= tpm then return {0, i, 'tokens', tostring(tokens)} end
+  if par >= 0 and parallel >= par then return {0, i, 'parallel', tostring(parallel)} end
+  table.insert(used, requests); table.insert(used, tokens); table.insert(used, parallel); table.insert(used, spend)
+end
+for i = 0, #KEYS / 4 - 1 do
+  local k = i * 4
+  redis.call('INCR', KEYS[k + 1])
+  redis.call('EXPIRE', KEYS[k + 1], 120)
+  if tonumber(ARGV[3 + i * 4 + 3]) >= 0 then
+    redis.call('ZADD', KEYS[k + 3], now + tonumber(ARGV[3]), ARGV[2])
+    redis.call('PEXPIRE', KEYS[k + 3], tonumber(ARGV[3]))
+  end
+end
+return {1, unpack(used)}
+"""
+# Spend is added only to a period already seeded (else the seed, read from the request log later,
+# holds it): KEYS[1] tokens this minute, KEYS[2] spend; ARGV tokens, cost.
+_CHARGE = """
+if tonumber(ARGV[1]) > 0 then
+  redis.call('INCRBY', KEYS[1], ARGV[1])
+  redis.call('EXPIRE', KEYS[1], 120)
+end
+if KEYS[2] ~= '' and tonumber(ARGV[2]) > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('INCRBYFLOAT', KEYS[2], ARGV[2])
+end
+return 1
+"""
+
+
+class RedisCounters:
+    """Counts in Redis, shared by every replica (one plain Redis; limits do not use Redis Cluster,
+    whose scripts cannot span slots)."""
+
+    def __init__(self, url: str, ledger: SpendLedger, prefix: str = "kvgate:limits:") -> None:
+        import redis.asyncio as redis
+
+        self._redis = redis.from_url(url)
+        self._ledger = ledger
+        self._prefix = prefix
+        self._admit = self._redis.register_script(_ADMIT)
+        self._charge = self._redis.register_script(_CHARGE)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _keys(self, scope: Scope, now: float) -> list[str]:
+        minute, _ = minute_window(now)
+        base = self._prefix + scope.name
+        spend = ""
+        if scope.limits.budget_usd is not None:
+            spend = f"{base}:s:{int(scope.limits.budget_window(now)[0])}"
+        return [f"{base}:r:{minute}", f"{base}:t:{minute}", f"{base}:p", spend]
+
+    async def admit(self, scopes: list[Scope], lease: str, now: float) -> list[Used] | Refusal:
+        keys: list[str] = []
+        args: list[object] = [int(now * 1000), lease, LEASE_TTL_S * 1000]
+        for scope in scopes:
+            keys += self._keys(scope, now)
+            limits = scope.limits
+            args += [_or_none(limits.rpm), _or_none(limits.tpm), _or_none(limits.max_parallel),
+                     _or_none(limits.budget_usd)]
+        while True:
+            reply = await self._admit(keys=keys, args=args)
+            if reply[0] != 2:
+                break
+            scope = scopes[int(reply[1])]
+            start, end = scope.limits.budget_window(now)
+            spent = await self._ledger.spent(scope, start)
+            # NX: another replica may have seeded it (and charged it) meanwhile.
+            await self._redis.set(keys[int(reply[1]) * 4 + 3], repr(spent), nx=True,
+                                  ex=max(60, int(end - now) + 86_400))
+        if reply[0] == 0:
+            scope, kind = scopes[int(reply[1])], reply[2].decode()
+            return Refusal(scope, kind, _limit_of(scope, kind), float(reply[3]))
+        values = reply[1:]
+        return [Used(int(values[i]), int(values[i + 1]), int(values[i + 2]), float(values[i + 3]))
+                for i in range(0, len(values), 4)]
+
+    def charge(self, scopes: list[Scope], tokens: int, cost_usd: float, now: float) -> None:
+        if tokens <= 0 and cost_usd <= 0:
+            return
+        for scope in scopes:
+            keys = self._keys(scope, now)
+            self._spawn(self._charge(keys=[keys[1], keys[3]], args=[tokens, repr(cost_usd)]))
+
+    def release(self, scopes: list[Scope], lease: str) -> None:
+        for scope in scopes:
+            if scope.limits.max_parallel is not None:
+                self._spawn(self._redis.zrem(f"{self._prefix}{scope.name}:p", lease))
+
+    def _spawn(self, work: object) -> None:
+        async def guarded() -> None:
+            try:
+                await work  # type: ignore[misc]
+            except Exception as exc:  # a lost charge or release: counted again from the next window
+                log.warning("limits: a Redis update failed (%s)", type(exc).__name__)
+
+        task = asyncio.ensure_future(guarded())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def aclose(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2)
+        await self._redis.aclose()
+
+
+def _or_none(value: float | None) -> object:
+    return -1 if value is None else (repr(float(value)) if isinstance(value, float) else value)
+
+
+def _limit_of(scope: Scope, kind: str) -> float:
+    limits = scope.limits
+    value = {"requests": limits.rpm, "tokens": limits.tpm, "parallel": limits.max_parallel,
+             "budget": limits.budget_usd}[kind]
+    return float(value or 0)
+
+
+__all__ = ["MINUTE_S", "Counters", "MemoryCounters", "RedisCounters", "Refusal", "Scope", "SpendLedger", "Used"]

@@ -1,0 +1,157 @@
+"""The gate every generation request passes after authentication: its key's and its tenant's
+limits (gateway/limits/policy.py), counted by `Counters` (gateway/limits/counters.py).
+
+    admit    before the request: 429 `rate_limit_exceeded` (requests, tokens or concurrent
+             requests; `retry-after` says when) or 429 `insufficient_quota` (budget spent); else
+             a `Lease` and the `x-ratelimit-*` headers OpenAI sends
+    charge   when the request log records the answer (`observe`): its upstream tokens and cost;
+             a response-cache hit costs nothing and uses no tokens
+    release  when the response has been sent, streams included (gateway/limits/asgi.py)
+
+Keys and tenants without limits cost nothing here: no scope, no count.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.errors import RateLimited
+from gateway.limits.counters import Counters, MemoryCounters, RedisCounters, Refusal, Scope, SpendLedger, Used
+from gateway.limits.policy import format_reset, minute_window
+from gateway.limits.settings import LimitsSettings
+from gateway.persistence.keys import Principal
+from gateway.persistence.request_log import RequestRecord
+from gateway.responsecache.status import HIT_KINDS
+
+
+class QuotaExceeded(RateLimited):
+    """A budget is spent: OpenAI's 429 `insufficient_quota`, which no retry helps before the period ends."""
+
+    error_type = "insufficient_quota"
+    code = "insufficient_quota"
+
+
+@dataclass(slots=True)
+class Lease:
+    request_id: str
+    scopes: list[Scope]
+    used: list[Used]
+    token: str
+    admitted_at: float
+
+    def headers(self) -> dict[str, str]:
+        """`x-ratelimit-*` as OpenAI sends them, for the first scope (the key before its tenant) that
+        limits requests and tokens respectively; this request counted."""
+        headers: dict[str, str] = {}
+        _, reset_s = minute_window(self.admitted_at)
+        for scope, used in zip(self.scopes, self.used, strict=True):
+            if scope.limits.rpm is not None and "x-ratelimit-limit-requests" not in headers:
+                headers["x-ratelimit-limit-requests"] = str(scope.limits.rpm)
+                headers["x-ratelimit-remaining-requests"] = str(max(0, scope.limits.rpm - used.requests - 1))
+                headers["x-ratelimit-reset-requests"] = format_reset(reset_s)
+            if scope.limits.tpm is not None and "x-ratelimit-limit-tokens" not in headers:
+                headers["x-ratelimit-limit-tokens"] = str(scope.limits.tpm)
+                headers["x-ratelimit-remaining-tokens"] = str(max(0, scope.limits.tpm - used.tokens))
+                headers["x-ratelimit-reset-tokens"] = format_reset(reset_s)
+        return headers
+
+
+def scopes_of(principal: Principal) -> list[Scope]:
+    scopes = []
+    if principal.limits is not None and not principal.limits.empty and principal.key_prefix is not None:
+        scopes.append(Scope(f"key:{principal.key_prefix}", f"key {principal.key_prefix}", principal.limits,
+                            "key_prefix", principal.key_prefix))
+    if principal.tenant_limits is not None and not principal.tenant_limits.empty:
+        scopes.append(Scope(f"tenant:{principal.tenant}", f"tenant {principal.tenant!r}", principal.tenant_limits,
+                            "tenant", principal.tenant))
+    return scopes
+
+
+class Gate:
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+        self._leases: dict[str, Lease] = {}  # by request id, until released
+        self.refused: dict[str, int] = {}  # by kind, for metrics
+
+    async def admit(self, principal: Principal, request_id: str) -> Lease | None:
+        scopes = scopes_of(principal)
+        if not scopes:
+            return None
+        now = time.time()
+        token = secrets.token_hex(8)
+        found = await self.counters.admit(scopes, token, now)
+        if isinstance(found, Refusal):
+            self.refused[found.kind] = self.refused.get(found.kind, 0) + 1
+            raise refusal_error(found, now)
+        lease = Lease(request_id, scopes, found, token, now)
+        self._leases[request_id] = lease
+        return lease
+
+    def observe(self, row: RequestRecord) -> None:
+        """A request-log observer: charge the request's upstream tokens and cost to its lease."""
+        lease = self._leases.get(row.request_id)
+        if lease is None:
+            return
+        tokens = 0 if row.cache in HIT_KINDS else (row.prompt_tokens or 0) + (row.completion_tokens or 0)
+        self.counters.charge(lease.scopes, tokens, row.cost_usd or 0.0, time.time())
+
+    def release(self, lease: Lease) -> None:
+        if self._leases.get(lease.request_id) is lease:
+            del self._leases[lease.request_id]
+        self.counters.release(lease.scopes, lease.token)
+
+    async def aclose(self) -> None:
+        await self.counters.aclose()
+
+
+_WHAT = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)",
+         "parallel": "concurrent requests"}
+
+
+def refusal_error(refusal: Refusal, now: float) -> RateLimited:
+    scope = refusal.scope
+    if refusal.kind == "budget":
+        start, end = scope.limits.budget_window(now)
+        period = ("" if scope.limits.budget_period_s is None
+                  else f" for the period {_day(start)} to {_day(end)}; it renews on {_day(end)}")
+        error: RateLimited = QuotaExceeded(
+            f"You exceeded your current quota: {scope.label} has spent ${refusal.used:.4f} of its "
+            f"${refusal.limit:g} budget{period}. Raise it with `kvgate keys update` or ask your "
+            "gateway's administrator.")
+        # A retry cannot help before the period ends: the openai SDK reads this and does not retry.
+        error.headers = {"x-should-retry": "false"}
+        return error
+    retry_s = 1.0 if refusal.kind == "parallel" else minute_window(now)[1]
+    error = RateLimited(
+        f"Rate limit reached for {scope.label} on {_WHAT[refusal.kind]}: Limit {refusal.limit:g}, "
+        f"Used {refusal.used:g}, Requested 1. Please try again in {format_reset(retry_s)}.")
+    error.error_type = refusal.kind if refusal.kind != "parallel" else "requests"
+    error.headers = {"retry-after": str(math.ceil(retry_s)), "retry-after-ms": str(math.ceil(retry_s * 1000))}
+    if refusal.kind in ("requests", "tokens"):
+        unit = refusal.kind
+        error.headers.update({f"x-ratelimit-limit-{unit}": f"{refusal.limit:g}", f"x-ratelimit-remaining-{unit}": "0",
+                              f"x-ratelimit-reset-{unit}": format_reset(retry_s)})
+    return error
+
+
+def _day(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def open_gate(settings: LimitsSettings, sessions: async_sessionmaker) -> Gate | None:
+    """The gate the settings ask for: counts in Redis when `redis_url` is set (every replica shares
+    them), else in this process; None when limits are turned off."""
+    if not settings.enabled:
+        return None
+    ledger = SpendLedger(sessions)
+    if settings.store == "redis" or (settings.store == "auto" and settings.redis_url):
+        if not settings.redis_url:
+            raise ValueError("KVGATE_LIMITS__STORE=redis needs KVGATE_LIMITS__REDIS_URL")
+        return Gate(RedisCounters(settings.redis_url, ledger, prefix=settings.redis_prefix))
+    return Gate(MemoryCounters(ledger, refresh_s=settings.spend_refresh_s))

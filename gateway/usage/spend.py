@@ -1,0 +1,89 @@
+"""Who spent what: the request log's `cost_usd` and `saved_usd` (set at the configured prices when
+each row was recorded, usage/accounting.py) summed per day and per key, tenant or model. One query
+feeds `GET /admin/spend`, the dashboard's spend table and `kvgate stats`, on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy import String, case, func, select
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.limits.counters import Scope, SpendLedger
+from gateway.limits.policy import Limits, format_period
+from gateway.persistence.models import RequestLog
+from gateway.responsecache.status import HIT_KINDS
+
+GroupBy = Literal["key", "tenant", "model"]
+_COLUMNS = {"key": RequestLog.key_prefix, "tenant": RequestLog.tenant, "model": RequestLog.model}
+
+
+@dataclass(slots=True)
+class SpendRow:
+    day: str  # YYYY-MM-DD (UTC)
+    group: str | None  # the key prefix, tenant or model; None: requests with no key (admin key, --no-auth)
+    requests: int
+    cache_hits: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+    saved_usd: float
+
+    def as_dict(self, by: GroupBy) -> dict[str, Any]:
+        values = asdict(self)
+        values[by] = values.pop("group")
+        return values
+
+
+async def spend_by_day(sessions: async_sessionmaker, by: GroupBy, since: datetime,
+                       tenant: str | None = None) -> list[SpendRow]:
+    """One row per day and group since `since`, newest day first, biggest spender first."""
+    column = _COLUMNS[by]
+    # date() is SQLite's and PostgreSQL's (UTC there: the gateway's sessions run in UTC).
+    day = func.date(RequestLog.created_at, type_=String)
+    hits = func.sum(case((RequestLog.cache.in_(list(HIT_KINDS)), 1), else_=0))
+    query = (select(day, column, func.count(), hits, func.sum(RequestLog.prompt_tokens),
+                    func.sum(RequestLog.completion_tokens), func.sum(RequestLog.cost_usd),
+                    func.sum(RequestLog.saved_usd))
+             .where(RequestLog.created_at >= since).group_by(day, column))
+    if tenant is not None:
+        query = query.where(RequestLog.tenant == tenant)
+    async with sessions() as session:
+        found = (await session.execute(query)).all()
+    rows = [SpendRow(str(d)[:10], g, int(n), int(h or 0), int(p or 0), int(c or 0), float(cost or 0.0),
+                     float(saved or 0.0)) for d, g, n, h, p, c, cost, saved in found]
+    rows.sort(key=lambda r: (r.day, r.cost_usd), reverse=True)
+    return rows
+
+
+@dataclass(slots=True, frozen=True)
+class BudgetState:
+    budget_usd: float
+    spent_usd: float
+    period: str  # 30d, lifetime
+    renews_at: datetime | None
+
+    def describe(self) -> str:
+        renews = f", renews {self.renews_at:%Y-%m-%d}" if self.renews_at is not None else ""
+        return f"${self.spent_usd:.2f} of ${self.budget_usd:g}{renews}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"budget_usd": self.budget_usd, "spent_usd": round(self.spent_usd, 6), "period": self.period,
+                "renews_at": self.renews_at.isoformat() if self.renews_at else None,
+                "exhausted": self.spent_usd >= self.budget_usd}
+
+
+async def budget_state(sessions: async_sessionmaker, limits: Limits, *, key_prefix: str | None = None,
+                       tenant: str | None = None) -> BudgetState | None:
+    """What a key or tenant has spent of its budget in the period it is in; None without a budget."""
+    if limits.budget_usd is None:
+        return None
+    now = datetime.now(UTC).timestamp()
+    start, end = limits.budget_window(now)
+    column, value = ("key_prefix", key_prefix) if key_prefix is not None else ("tenant", tenant)
+    spent = await SpendLedger(sessions).spent(Scope(f"{column}:{value}", str(value), limits, column, str(value)), start)
+    renews = datetime.fromtimestamp(end, UTC) if limits.budget_period_s is not None else None
+    return BudgetState(limits.budget_usd, spent, format_period(limits.budget_period_s), renews)
