@@ -308,6 +308,7 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
              Target("bare proxy", f"http://127.0.0.1:{bare_port}/v1", {}, bare_pid),
              Target("kvgate miss", f"http://127.0.0.1:{gw_port}/v1", {**auth, "x-kvgate-semantic": "off"}, gw_pid),
              Target("kvgate hit", f"http://127.0.0.1:{gw_port}/v1", auth, gw_pid, unique=False)]
+    paths += _limited_paths(stack, tmp, fake, db, gw_port, gw_pid, notes)
     if QUESTIONS.is_file():
         # The same gateway with no CPU budget for the semantic cache's embeddings (every plausible
         # lookup embeds, however busy the gateway is), on its own database.
@@ -350,6 +351,51 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
     return paths
 
 
+# Limits no request of the benchmark reaches: every check runs (requests, tokens, concurrent
+# requests, budget), none refuses.
+LIMIT_FLAGS = ["--rpm", "1000000000", "--tpm", "1000000000000", "--max-parallel", "1000000", "--budget", "1000000000",
+               "--budget-period", "30d"]
+LIMITED, REDIS_PLAIN = "kvgate miss, limits", "kvgate miss, redis gateway"
+REDIS_LIMITED = "kvgate miss, limits in redis"
+
+
+def _limited_key(db: str, cwd: Path, tenant: str) -> str:
+    return subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", tenant, *LIMIT_FLAGS,
+                           "--database-url", db], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _limited_paths(stack: ExitStack, tmp: Path, fake: str, db: str, gw_port: int, gw_pid: int,
+                   notes: list[str]) -> list[Target]:
+    """What limits cost: a key with every limit set (none reached) on the same gateway as
+    `kvgate miss` (counted in the process), and a gateway counting in Redis, with a key without
+    limits (its baseline) and one with them."""
+    miss = {"x-kvgate-semantic": "off"}
+    paths = [Target(LIMITED, f"http://127.0.0.1:{gw_port}/v1",
+                    {"authorization": f"Bearer {_limited_key(db, tmp, 'bench-limited')}", **miss}, gw_pid)]
+    redis_url = os.environ.get("KVGATE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        import redis
+
+        redis.Redis.from_url(redis_url, socket_timeout=1).ping()
+    except Exception as exc:
+        notes.append(f"limits-in-Redis rows skipped: no Redis at {redis_url} ({type(exc).__name__})")
+        return paths
+    port, redis_db = _free_port(), f"sqlite+aiosqlite:///{tmp / 'redis-limits.db'}"
+    subprocess.run([sys.executable, "-m", "gateway", "migrate", "--database-url", redis_db], cwd=tmp,
+                   capture_output=True, check=True)
+    plain = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench", "--database-url",
+                            redis_db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
+    limited = _limited_key(redis_db, tmp, "bench-limited")
+    pid = stack.enter_context(_process(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--upstream", f"fake={fake}",
+         "--database-url", redis_db], f"http://127.0.0.1:{port}/readyz", timeout_s=400,
+        env={"KVGATE_LOG_LEVEL": "warning", "KVGATE_LIMITS__REDIS_URL": redis_url,
+             "KVGATE_LIMITS__REDIS_PREFIX": f"kvgate-bench:{os.getpid()}:"})).pid
+    base = f"http://127.0.0.1:{port}/v1"
+    return [*paths, Target(REDIS_PLAIN, base, {"authorization": f"Bearer {plain}", **miss}, pid),
+            Target(REDIS_LIMITED, base, {"authorization": f"Bearer {limited}", **miss}, pid)]
+
+
 def settled_cpu_seconds(pid: int, timeout_s: float = 60.0) -> float:
     """CPU time of a process tree once it has gone idle: work a server deferred past its answers
     (stores, log writes, embeddings) counts against the requests that caused it."""
@@ -372,6 +418,8 @@ def _measure(paths: list[Target], args: argparse.Namespace) -> dict[tuple[str, i
     def bodies(path: Target, stream: bool) -> Callable[[], bytes]:
         return _bodies(stream, path.unique, questions if path.questions else None)
 
+    if args.only:
+        paths = [p for p in paths if p.name in args.only or p.name == "direct"]
     for stream, concurrency, count in plan:
         for path in paths:  # warm-up, not measured
             asyncio.run(run_load(path.base + "/chat/completions", bodies(path, stream), path.headers,
@@ -403,6 +451,9 @@ def main(argv: list[str]) -> int:
                         help="requests per round at concurrency 32 (default 800)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (medians printed)")
     parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM proxy rows")
+    parser.add_argument("--only", action="append", metavar="PATH",
+                        help="measure only this path (repeatable; 'direct' is always measured), e.g. "
+                             f"--only 'kvgate miss' --only '{LIMITED}'")
     parser.add_argument("--litellm", metavar="PATH",
                         help="the `litellm` proxy command of LiteLLM's own environment "
                              "(default: on PATH, else .venv-litellm/bin/litellm)")
@@ -441,6 +492,11 @@ def _add_ratios(rows: list[dict[str, object]]) -> None:
         row["rps_vs_bare"] = ratio(row, "bare proxy", "rps")
         row["rps_vs_litellm"] = ratio(row, "litellm", "rps")
         row["cpu_vs_bare"] = ratio(row, "bare proxy", "cpu_ms_per_request")
+        baseline = {LIMITED: "kvgate miss", REDIS_LIMITED: REDIS_PLAIN}.get(str(row["path"]))
+        if baseline is not None and (base := by_key.get((baseline, row["concurrency"], row["stream"]))):
+            row["limits_cost_p50_ms"] = round(float(row["p50_ms"]) - float(base["p50_ms"]), 3)  # type: ignore[arg-type]
+            row["limits_cost_cpu_ms"] = round(float(row["cpu_ms_per_request"]) - float(base["cpu_ms_per_request"]), 3)  # type: ignore[arg-type]
+            row["limits_baseline"] = baseline
         if row["path"] in (ON, UNBUDGETED):
             off = by_key.get((OFF, row["concurrency"], row["stream"]))
             row["rps_vs_semantic_off"] = ratio(row, OFF, "rps")
@@ -463,5 +519,10 @@ def _print_table(rows: list[dict[str, object]], notes: list[str]) -> None:
                   f"stream {r['stream']}: "
                   f"p50 {r['p50_minus_semantic_off_ms']:+} ms, rps x{r['rps_vs_semantic_off']}, "
                   f"cpu x{r['cpu_vs_semantic_off']}")
+    for r in rows:
+        if "limits_cost_p50_ms" in r:
+            print(f"{r['path']} vs {r['limits_baseline']} (same process), concurrency {r['concurrency']}, "
+                  f"stream {r['stream']}: p50 {r['limits_cost_p50_ms']:+} ms, "
+                  f"cpu {r['limits_cost_cpu_ms']:+} ms/request")
     for note in notes:
         print(f"note: {note}")

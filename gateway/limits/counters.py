@@ -27,6 +27,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.limits.policy import MINUTE_S, Limits, minute_window
+from gateway.limits.resp import FastRedis
 from gateway.persistence.models import RequestLog
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,8 @@ class Refusal:
 class Counters(Protocol):
     async def admit(self, scopes: list[Scope], lease: str, now: float) -> list[Used] | Refusal: ...
 
-    def charge(self, scopes: list[Scope], tokens: int, cost_usd: float, now: float) -> None: ...
-
-    def release(self, scopes: list[Scope], lease: str) -> None: ...
+    def finish(self, scopes: list[Scope], lease: str | None, tokens: int, cost_usd: float, now: float) -> None:
+        """Charge a request's tokens and cost and release its lease (None: released already)."""
 
     async def aclose(self) -> None: ...
 
@@ -185,17 +185,14 @@ class MemoryCounters:
                 counts.leases.add(lease)
         return found
 
-    def charge(self, scopes: list[Scope], tokens: int, cost_usd: float, now: float) -> None:
+    def finish(self, scopes: list[Scope], lease: str | None, tokens: int, cost_usd: float, now: float) -> None:
         minute, _ = minute_window(now)
         for scope in scopes:
             counts = self._counts(scope, minute)
             counts.minute.tokens += tokens
             if counts.spend is not None:
                 counts.spend.amount += cost_usd
-
-    def release(self, scopes: list[Scope], lease: str) -> None:
-        for scope in scopes:
-            if (counts := self._scopes.get(scope.name)) is not None:
+            if lease is not None:
                 counts.leases.discard(lease)
 
     async def aclose(self) -> None:
@@ -240,15 +237,20 @@ for i = 0, #KEYS / 4 - 1 do
 end
 return {1, unpack(used)}
 """
-# Spend is added only to a period already seeded (else the seed, read from the request log later,
-# holds it): KEYS[1] tokens this minute, KEYS[2] spend; ARGV tokens, cost.
-_CHARGE = """
-if tonumber(ARGV[1]) > 0 then
-  redis.call('INCRBY', KEYS[1], ARGV[1])
-  redis.call('EXPIRE', KEYS[1], 120)
-end
-if KEYS[2] ~= '' and tonumber(ARGV[2]) > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('INCRBYFLOAT', KEYS[2], ARGV[2])
+# After the answer, one round trip: charge the tokens and cost to every scope and release the lease.
+# KEYS: 3 per scope (tokens this minute, leases, spend this period or ''); ARGV: tokens, cost, lease
+# ('' when released already). Spend is added only to a period already seeded (else the seed, read
+# from the request log later, holds it).
+_FINISH = """
+for k = 1, #KEYS, 3 do
+  if tonumber(ARGV[1]) > 0 then
+    redis.call('INCRBY', KEYS[k], ARGV[1])
+    redis.call('EXPIRE', KEYS[k], 120)
+  end
+  if ARGV[3] ~= '' then redis.call('ZREM', KEYS[k + 1], ARGV[3]) end
+  if KEYS[k + 2] ~= '' and tonumber(ARGV[2]) > 0 and redis.call('EXISTS', KEYS[k + 2]) == 1 then
+    redis.call('INCRBYFLOAT', KEYS[k + 2], ARGV[2])
+  end
 end
 return 1
 """
@@ -259,14 +261,11 @@ class RedisCounters:
     whose scripts cannot span slots)."""
 
     def __init__(self, url: str, ledger: SpendLedger, prefix: str = "kvgate:limits:") -> None:
-        import redis.asyncio as redis
-
-        self._redis = redis.from_url(url)
+        self._redis = FastRedis(url)  # gateway/limits/resp.py says why not redis-py
         self._ledger = ledger
         self._prefix = prefix
-        self._admit = self._redis.register_script(_ADMIT)
-        self._charge = self._redis.register_script(_CHARGE)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._admit = self._redis.script(_ADMIT)
+        self._finish = self._redis.script(_FINISH)
 
     def _keys(self, scope: Scope, now: float) -> list[str]:
         minute, _ = minute_window(now)
@@ -285,15 +284,15 @@ class RedisCounters:
             args += [_or_none(limits.rpm), _or_none(limits.tpm), _or_none(limits.max_parallel),
                      _or_none(limits.budget_usd)]
         while True:
-            reply = await self._admit(keys=keys, args=args)
+            reply = await self._redis.evalsha(self._admit, keys, args)
             if reply[0] != 2:
                 break
             scope = scopes[int(reply[1])]
             start, end = scope.limits.budget_window(now)
             spent = await self._ledger.spent(scope, start)
             # NX: another replica may have seeded it (and charged it) meanwhile.
-            await self._redis.set(keys[int(reply[1]) * 4 + 3], repr(spent), nx=True,
-                                  ex=max(60, int(end - now) + 86_400))
+            await self._redis.call("SET", keys[int(reply[1]) * 4 + 3], repr(spent), "NX", "EX",
+                                   max(60, int(end - now) + 86_400))
         if reply[0] == 0:
             scope, kind = scopes[int(reply[1])], reply[2].decode()
             return Refusal(scope, kind, _limit_of(scope, kind), float(reply[3]))
@@ -301,32 +300,16 @@ class RedisCounters:
         return [Used(int(values[i]), int(values[i + 1]), int(values[i + 2]), float(values[i + 3]))
                 for i in range(0, len(values), 4)]
 
-    def charge(self, scopes: list[Scope], tokens: int, cost_usd: float, now: float) -> None:
-        if tokens <= 0 and cost_usd <= 0:
+    def finish(self, scopes: list[Scope], lease: str | None, tokens: int, cost_usd: float, now: float) -> None:
+        if tokens <= 0 and cost_usd <= 0 and not any(s.limits.max_parallel is not None for s in scopes):
             return
+        keys: list[str] = []
         for scope in scopes:
-            keys = self._keys(scope, now)
-            self._spawn(self._charge(keys=[keys[1], keys[3]], args=[tokens, repr(cost_usd)]))
-
-    def release(self, scopes: list[Scope], lease: str) -> None:
-        for scope in scopes:
-            if scope.limits.max_parallel is not None:
-                self._spawn(self._redis.zrem(f"{self._prefix}{scope.name}:p", lease))
-
-    def _spawn(self, work: object) -> None:
-        async def guarded() -> None:
-            try:
-                await work  # type: ignore[misc]
-            except Exception as exc:  # a lost charge or release: counted again from the next window
-                log.warning("limits: a Redis update failed (%s)", type(exc).__name__)
-
-        task = asyncio.ensure_future(guarded())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            _, tokens_key, leases, spend = self._keys(scope, now)
+            keys += [tokens_key, leases, spend]
+        self._redis.fire("EVALSHA", self._finish, len(keys), *keys, tokens, repr(cost_usd), lease or "")
 
     async def aclose(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=2)
         await self._redis.aclose()
 
 

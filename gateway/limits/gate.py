@@ -13,6 +13,7 @@ Keys and tenants without limits cost nothing here: no scope, no count.
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 import time
@@ -24,10 +25,13 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from gateway.errors import RateLimited
 from gateway.limits.counters import Counters, MemoryCounters, RedisCounters, Refusal, Scope, SpendLedger, Used
 from gateway.limits.policy import format_reset, minute_window
+from gateway.limits.resp import RedisReplyError
 from gateway.limits.settings import LimitsSettings
 from gateway.persistence.keys import Principal
 from gateway.persistence.request_log import RequestRecord
 from gateway.responsecache.status import HIT_KINDS
+
+log = logging.getLogger(__name__)
 
 
 class QuotaExceeded(RateLimited):
@@ -40,10 +44,15 @@ class QuotaExceeded(RateLimited):
 @dataclass(slots=True)
 class Lease:
     request_id: str
+    tenant: str
     scopes: list[Scope]
     used: list[Used]
     token: str
     admitted_at: float
+    counters: Counters  # the ones that admitted it (Redis, or this process's while Redis is down)
+    # What the request used, charged when the lease is released (one round trip for both).
+    tokens: int = 0
+    cost_usd: float = 0.0
 
     def headers(self) -> dict[str, str]:
         """`x-ratelimit-*` as OpenAI sends them, for the first scope (the key before its tenant) that
@@ -74,9 +83,15 @@ def scopes_of(principal: Principal) -> list[Scope]:
 
 
 class Gate:
-    def __init__(self, counters: Counters) -> None:
+    """`fallback` counts while `counters` (Redis) cannot be reached: limits then hold per replica
+    rather than not at all, and no request fails for want of a counter."""
+
+    def __init__(self, counters: Counters, fallback: Counters | None = None) -> None:
         self.counters = counters
-        self._leases: dict[str, Lease] = {}  # by request id, until released
+        self.fallback = fallback
+        self._warned_at = 0.0
+        # By request id and tenant (a client chooses its request ids), until released.
+        self._leases: dict[tuple[str, str], Lease] = {}
         self.refused: dict[str, int] = {}  # by kind, for metrics
 
     async def admit(self, principal: Principal, request_id: str) -> Lease | None:
@@ -85,29 +100,44 @@ class Gate:
             return None
         now = time.time()
         token = secrets.token_hex(8)
-        found = await self.counters.admit(scopes, token, now)
+        counters = self.counters
+        try:
+            found = await counters.admit(scopes, token, now)
+        except (OSError, TimeoutError, RedisReplyError) as exc:
+            if self.fallback is None:
+                raise
+            if now - self._warned_at > 60:
+                self._warned_at = now
+                log.warning("limits: Redis unreachable (%s); counting in this process until it is back",
+                            type(exc).__name__)
+            counters = self.fallback
+            found = await counters.admit(scopes, token, now)
         if isinstance(found, Refusal):
             self.refused[found.kind] = self.refused.get(found.kind, 0) + 1
             raise refusal_error(found, now)
-        lease = Lease(request_id, scopes, found, token, now)
-        self._leases[request_id] = lease
+        lease = Lease(request_id, principal.tenant, scopes, found, token, now, counters)
+        self._leases[request_id, principal.tenant] = lease
         return lease
 
     def observe(self, row: RequestRecord) -> None:
-        """A request-log observer: charge the request's upstream tokens and cost to its lease."""
-        lease = self._leases.get(row.request_id)
+        """A request-log observer: the request's upstream tokens and cost, charged with its release
+        (a row logged after the response was sent finds no lease: not charged)."""
+        lease = self._leases.get((row.request_id, row.tenant))
         if lease is None:
             return
         tokens = 0 if row.cache in HIT_KINDS else (row.prompt_tokens or 0) + (row.completion_tokens or 0)
-        self.counters.charge(lease.scopes, tokens, row.cost_usd or 0.0, time.time())
+        lease.tokens += tokens
+        lease.cost_usd += row.cost_usd or 0.0
 
     def release(self, lease: Lease) -> None:
-        if self._leases.get(lease.request_id) is lease:
-            del self._leases[lease.request_id]
-        self.counters.release(lease.scopes, lease.token)
+        if self._leases.get((lease.request_id, lease.tenant)) is lease:
+            del self._leases[lease.request_id, lease.tenant]
+        lease.counters.finish(lease.scopes, lease.token, lease.tokens, lease.cost_usd, time.time())
 
     async def aclose(self) -> None:
         await self.counters.aclose()
+        if self.fallback is not None:
+            await self.fallback.aclose()
 
 
 _WHAT = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)",
@@ -153,5 +183,6 @@ def open_gate(settings: LimitsSettings, sessions: async_sessionmaker) -> Gate | 
     if settings.store == "redis" or (settings.store == "auto" and settings.redis_url):
         if not settings.redis_url:
             raise ValueError("KVGATE_LIMITS__STORE=redis needs KVGATE_LIMITS__REDIS_URL")
-        return Gate(RedisCounters(settings.redis_url, ledger, prefix=settings.redis_prefix))
+        return Gate(RedisCounters(settings.redis_url, ledger, prefix=settings.redis_prefix),
+                    fallback=MemoryCounters(ledger, refresh_s=settings.spend_refresh_s))
     return Gate(MemoryCounters(ledger, refresh_s=settings.spend_refresh_s))
