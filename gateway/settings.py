@@ -18,6 +18,7 @@ from gateway.engine.settings import EngineSettings
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.observability.settings import ObservabilitySettings
 from gateway.persistence.location import resolve_database_url
+from gateway.persistence.settings import ResponsesSettings
 from gateway.pipeline.compaction import CompactionSettings
 from gateway.pipeline.settings import CondenseSettings
 from gateway.responsecache.semantic.embedder import MODEL_ID
@@ -71,6 +72,8 @@ class Settings(BaseSettings):
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     compaction: CompactionSettings = Field(default_factory=CompactionSettings)
     condense: CondenseSettings = Field(default_factory=CondenseSettings)
+    # Responses API answers kept for previous_response_id (gateway/persistence/responses.py).
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
 
     @field_validator("database_url")
     @classmethod
