@@ -22,7 +22,9 @@ from gateway.observability.install import attach_observability, install_observab
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
 from gateway.persistence.keys import FirstKeys, KeyStore, create_first_keys
 from gateway.persistence.request_log import RequestLogWriter
+from gateway.persistence.responses import ResponseStore
 from gateway.pipeline.condense import CondenseStep
+from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.embeddings import EmbeddingCache
 from gateway.pipeline.native import MESSAGES, RESPONSES, NativeRoute
 from gateway.pipeline.proxy import Proxy
@@ -155,6 +157,7 @@ def create_app(settings: Settings) -> FastAPI:
             request_log=request_log,
             router=router,
             proxy=proxy,
+            conversations=Conversations(ResponseStore(sessions, settings.responses)),
             response_cache=response_cache,
             native_messages=NativeRoute(MESSAGES, router, request_log, response_cache, proxy.flights,
                                         on_usage=cache_writes.observe),

@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from gateway.limits.gate import Gate
 from gateway.persistence.keys import KeyStore
 from gateway.persistence.request_log import RequestLogWriter
+from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.embeddings import EmbeddingCache
 from gateway.pipeline.native import NativeRoute
 from gateway.pipeline.proxy import Proxy
@@ -27,6 +28,8 @@ class Services:
     request_log: RequestLogWriter
     router: Router
     proxy: Proxy
+    # Stored Responses API answers (`previous_response_id`, GET and DELETE /v1/responses/{id}).
+    conversations: Conversations
     response_cache: ResponseCache | None = None
     native_messages: NativeRoute | None = None
     native_responses: NativeRoute | None = None

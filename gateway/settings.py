@@ -19,6 +19,7 @@ from gateway.kvcache.settings import KVCacheSettings
 from gateway.limits.settings import LimitsSettings
 from gateway.observability.settings import ObservabilitySettings
 from gateway.persistence.location import resolve_database_url
+from gateway.persistence.settings import ResponsesSettings
 from gateway.pipeline.compaction import CompactionSettings
 from gateway.pipeline.settings import CondenseSettings
 from gateway.responsecache.semantic.embedder import MODEL_ID
@@ -73,6 +74,8 @@ class Settings(BaseSettings):
     compaction: CompactionSettings = Field(default_factory=CompactionSettings)
     condense: CondenseSettings = Field(default_factory=CondenseSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    # Responses API answers kept for previous_response_id (gateway/persistence/responses.py).
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
 
     @field_validator("database_url")
     @classmethod

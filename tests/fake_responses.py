@@ -4,6 +4,10 @@ Replies echo the last user text (`input` as a string or items). Usage models a p
 cache on `instructions`: the first request with given instructions reads nothing from cache, a
 later one reads the instructions' words (`input_tokens_details.cached_tokens`). A body field
 `fake_fault` = `slow:S` waits S seconds first. GET /control/state: request count, last body.
+
+Like OpenAI it keeps what it answered (`store` not false), under ids that name the server
+(`resp_<name>_<n>`), and answers 404 `previous_response_not_found` to a `previous_response_id`
+it does not hold: a follow-up sent to the wrong upstream fails as it would at a provider.
 """
 
 from __future__ import annotations
@@ -39,10 +43,11 @@ def _text(value: Any) -> str:
     return ""
 
 
-def create_fake_responses() -> FastAPI:
+def create_fake_responses(name: str = "fake") -> FastAPI:
     app = FastAPI()
     state: dict[str, Any] = {"count": 0, "last_request": None}
     seen: set[str] = set()
+    held: set[str] = set()
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -60,6 +65,15 @@ def create_fake_responses() -> FastAPI:
         fault = str(body.get("fake_fault") or "")
         if fault.startswith("slow:"):
             await asyncio.sleep(float(fault.split(":")[1]))
+        previous = body.get("previous_response_id")
+        if previous and previous not in held:
+            return Response(orjson.dumps({"error": {"message": f"Previous response with id {previous!r} not found.",
+                                                    "type": "invalid_request_error", "param": "previous_response_id",
+                                                    "code": "previous_response_not_found"}}),
+                            status_code=404, media_type="application/json")
+        response_id = f"resp_{name}_{state['count']}"
+        if body.get("store") is not False:
+            held.add(response_id)
         text = f"echo: {_text(body.get('input'))}"
         instructions = str(body.get("instructions") or "")
         cached = len(instructions.split()) if instructions in seen else 0
@@ -70,7 +84,7 @@ def create_fake_responses() -> FastAPI:
                  "total_tokens": prompt + len(text.split())}
         item = {"type": "message", "id": "msg_fake", "status": "completed", "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": []}]}
-        response = {"id": "resp_fake", "object": "response", "created_at": 1, "status": "completed",
+        response = {"id": response_id, "object": "response", "created_at": 1, "status": "completed",
                     "model": body["model"], "output": [item], "usage": usage, "error": None,
                     "incomplete_details": None, "instructions": body.get("instructions"), "metadata": {},
                     "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "temperature": None,

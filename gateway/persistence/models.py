@@ -155,3 +155,30 @@ class ResponseCachePurge(Base):
     entry_id: Mapped[int | None] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), nullable=True)
     semantic_only: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class StoredResponse(Base):
+    """A Responses API answer kept because its request said `store: true` (OpenAI's default): what
+    `GET /v1/responses/{id}` returns and what a request naming it in `previous_response_id` continues.
+
+    `items` is the conversation up to and including this answer that its upstream does not hold, as
+    Responses input items: all of it in front of a chat-only upstream; in front of one that speaks the
+    Responses API, only what came after `upstream_response_id`, the answer `upstream` keeps (empty when
+    that answer is this one). Keyed by tenant first: one tenant never reads another's ids."""
+
+    __tablename__ = "responses"
+    __table_args__ = (Index("ix_responses_expires_at", "expires_at"),)
+
+    tenant: Mapped[str] = mapped_column(String(128), primary_key=True)
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    previous_response_id: Mapped[str | None] = mapped_column(String(128))
+    upstream: Mapped[str | None] = mapped_column(String(128))
+    upstream_response_id: Mapped[str | None] = mapped_column(String(128))
+    # JSON: this request's input items (`GET /v1/responses/{id}/input_items`), the conversation
+    # described above, and the response object.
+    input: Mapped[bytes] = mapped_column(LargeBinary)
+    items: Mapped[bytes] = mapped_column(LargeBinary)
+    response: Mapped[bytes] = mapped_column(LargeBinary)

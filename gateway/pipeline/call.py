@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -48,6 +49,11 @@ class Call:
     # The cache status to log when the proxy looks nothing up itself: the embeddings cache looks up
     # each input before it forwards the ones it missed (`miss`, `hit-partial`).
     cache_status: str | None = None
+    # Native routes: the upstream to try first, the one holding the conversation (`previous_response_id`).
+    upstream: str | None = None
+    # Native routes: awaited with each finished answer and the upstream that gave it (None: a cache
+    # replay) before the client reads the answer's end; a GatewayError it raises fails the request.
+    on_answer: Callable[[JSONObject, str | None], Awaitable[None]] | None = None
 
 
 def compaction_headers(call: Call) -> dict[str, str]:

@@ -6,6 +6,10 @@ The client's body goes upstream unchanged in meaning (`cache_control` breakpoint
 cache steps of the chat path around it: exact (and semantic, where the request qualifies) lookup,
 single-flight, and a store of complete answers in the API's own shape. Usage is the upstream's
 own: kvgate estimates nothing here. What differs between the two APIs is a `Dialect`.
+
+A call may name the upstream to try first (`Call.upstream`: the one holding a stored Responses
+conversation) and a hook that sees every finished answer before the client has all of it
+(`Call.on_answer`: the stored-responses writer).
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ class NativeRoute:
                 keyed["kvgate_upstream_headers"] = call.upstream_headers
             lookup = await self._cache.lookup(call.principal.tenant, keyed, call.cache)
             if lookup.answer is not None:
-                return self._replay(call, run, lookup)
+                return await self._replay(call, run, lookup)
         flight: Flight | None = None
         if lookup is not None and lookup.controls.read:
             flight, leads = self._flights.join(lookup.key)
@@ -115,13 +119,13 @@ class NativeRoute:
                     self._record(call, run, None, HIT_INFLIGHT)
                     raise
                 lookup.answer, lookup.status = answer, HIT_INFLIGHT
-                return self._replay(call, run, lookup)
+                return await self._replay(call, run, lookup)
         try:
             if call.stream:
                 return await self._stream(call, run, lookup, flight)
             result, route = await self._router.call(call.model, lambda b: b.post_json(self._dialect.path, call.body,
                                                                                  headers=call.upstream_headers),
-                                                    path=self._dialect.path)
+                                                    path=self._dialect.path, prefer=call.upstream)
             self._router.release(route)
         except GatewayError as exc:
             run.error, run.status = exc, exc.status_code
@@ -141,6 +145,7 @@ class NativeRoute:
         self._keep(lookup, flight, result.body)
         if lookup is not None:
             headers.update(lookup.headers)
+        await _answered(call, result.body, route.backend.name)
         return Answer(result.raw, headers)
 
     def _keep(self, lookup: Lookup | None, flight: Flight | None, message: dict[str, Any] | None) -> None:
@@ -155,7 +160,7 @@ class NativeRoute:
                 self._flights.fail(flight, UpstreamError(
                     "the identical request this one waited for ended before its answer was complete"))
 
-    def _replay(self, call: Call, run: _Run, lookup: Lookup) -> Result:
+    async def _replay(self, call: Call, run: _Run, lookup: Lookup) -> Result:
         assert lookup.answer is not None
         dialect = self._dialect
         message = {**lookup.answer, "id": dialect.new_id(), "usage": dialect.hit_usage(lookup.answer.get("usage")),
@@ -163,6 +168,7 @@ class NativeRoute:
         run.first_byte_s, run.usage = time.perf_counter(), message["usage"]
         self._record(call, run, None, lookup.status, lookup)
         headers = {**lookup.headers, "x-request-id": call.request_id}
+        await _answered(call, message, None)
         if call.stream:
             return EventStream(iterate(list(dialect.events(message))), headers)
         return Answer(orjson.dumps(message), headers)
@@ -170,7 +176,7 @@ class NativeRoute:
     async def _stream(self, call: Call, run: _Run, lookup: Lookup | None, flight: Flight | None) -> EventStream:
         stream, route = await self._router.call(call.model, lambda b: b.post_stream(self._dialect.path, call.body,
                                                                                    headers=call.upstream_headers),
-                                                path=self._dialect.path)
+                                                path=self._dialect.path, prefer=call.upstream)
         assembler = self._dialect.assembler()
         finished = False
 
@@ -195,6 +201,13 @@ class NativeRoute:
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for out in _relay(stream, assembler, run, self._dialect):
+                    if assembler.done and run.error is None and assembler.message is not None:
+                        try:
+                            await _answered(call, assembler.message, route.backend.name)
+                        except GatewayError as exc:
+                            run.error, run.status = exc, exc.status_code
+                            yield self._dialect.error_event(exc.status_code, exc.message)
+                            return
                     yield out
             finally:
                 with anyio.CancelScope(shield=True):
@@ -220,6 +233,11 @@ class NativeRoute:
             cache_creation_tokens=usage.get("cache_creation_input_tokens"),
             semantic_skipped=semantic_skipped, semantic_stage=semantic_stage, key_prefix=call.principal.key_prefix,
         ))
+
+
+async def _answered(call: Call, message: dict[str, Any], upstream: str | None) -> None:
+    if call.on_answer is not None:
+        await call.on_answer(message, upstream)
 
 
 async def _relay(stream: UpstreamStream, assembler: Assembler, run: _Run, dialect: Dialect) -> AsyncIterator[bytes]:

@@ -1,9 +1,8 @@
 """OpenAI's Responses API <-> chat completions: requests, JSON answers and SSE event streams, for
 upstreams that do not speak `/v1/responses` themselves (the built-in engine included).
 
-Stateless only: `previous_response_id` needs the conversation stored server-side, which a
-translating gateway does not keep; such a request is refused with a clear error (an upstream
-that speaks the Responses API gets it unchanged).
+`previous_response_id` is resolved before translation: the conversation kvgate stored
+(gateway/pipeline/conversations.py) comes in as `history`, Responses items like the input.
 
 Longer than 300 lines on purpose: one wire format, both directions (request in, answer and
 stream events out), read in one place; the two halves change together whenever the format does.
@@ -50,11 +49,40 @@ def _parts(content: Any, where: str) -> str | list[dict[str, Any]]:
     return parts
 
 
-def _items(value: Any) -> list[dict[str, Any]]:
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """A request's `input` as a list of items (a string is one user message)."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise InvalidField("input: expected a string or a non-empty list of items", param="input")
+    return value
+
+
+def check_outputs_paired(history: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+    """Every `function_call_output` of `items` answers a `function_call` made before it."""
+    calls = set()
+    for position, item in enumerate([*history, *items]):
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "function_call":
+            calls.add(item.get("call_id"))
+        elif item.get("type") == "function_call_output" and item.get("call_id") not in calls:
+            where = f"input.{position - len(history)}"
+            raise InvalidField(f"{where}: no function call found with call_id {item.get('call_id')!r}",
+                               param=where)
+
+
+def listed_item(item: dict[str, Any], item_id: str) -> dict[str, Any]:
+    """An input item as `GET /v1/responses/{id}/input_items` lists it: typed, with an id."""
+    out = {"type": "message", **item}
+    out.setdefault("id", item_id)
+    if out["type"] == "message" and isinstance(out.get("content"), str):
+        kind = "output_text" if out.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": kind, "text": out["content"]}]
+    return out
+
+
+def _items(value: list[dict[str, Any]]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for position, item in enumerate(value):
         where = f"input.{position}"
@@ -70,8 +98,8 @@ def _items(value: Any) -> list[dict[str, Any]]:
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # its text and its calls: one message
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -98,15 +126,13 @@ def _tool(tool: Any, position: int) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def to_chat_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat-completions request a Responses request means."""
+def to_chat_request(body: dict[str, Any], history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The chat-completions request a Responses request means; `history`, the items of the stored
+    conversation it continues (`previous_response_id`), come before its input."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidField("model: required", param="model")
-    if body.get("previous_response_id"):
-        raise InvalidField("previous_response_id: kvgate does not store conversations for upstreams that do not "
-                           "speak the Responses API; send the whole input", param="previous_response_id")
-    messages = _items(body.get("input"))
+    messages = (_items(history) if history else []) + _items(input_items(body.get("input")))
     if isinstance(body.get("instructions"), str) and body["instructions"]:
         messages.insert(0, {"role": "system", "content": body["instructions"]})
     out: dict[str, Any] = {"model": model, "messages": messages}
@@ -203,6 +229,7 @@ class ChatToResponsesStream:
         self._finish: str | None = None
         self._usage: dict[str, Any] | None = None
         self._extra: dict[str, Any] = {}
+        self.finished = False  # `response` is whole: the stream's last events are out of `finish`
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -288,6 +315,7 @@ class ChatToResponsesStream:
             self.response["kvgate"] = self._extra
         kind = "response.completed" if self.response["status"] == "completed" else "response.incomplete"
         out.append(self._event(kind, response=self.response))
+        self.finished = True
         return out
 
     def error(self, envelope: dict[str, Any]) -> bytes:

@@ -126,12 +126,14 @@ class Router:
     # ------------------------------------------------------------------ choice
 
     def order(self, serving: list[Backend], blocks: Sequence[PrefixBlock],
-              salt: str = "") -> list[tuple[Backend, int]]:
+              salt: str = "", prefer: str | None = None) -> list[tuple[Backend, int]]:
         """Backends to try, best first, each with the cached tokens it is expected to hold (for a
-        llama.cpp server: what one of its slots holds, as kvgate pinned it)."""
+        llama.cpp server: what one of its slots holds, as kvgate pinned it). `prefer` names the
+        backend that holds the request's conversation (a stored Responses answer): it comes first,
+        even with its circuit open, since no other can continue it."""
         start = next(self._turn) % len(serving)
         rotated = serving[start:] + serving[:start]
-        up = [b for b in rotated if self.health[b.name].available()] or rotated
+        up = [b for b in rotated if self.health[b.name].available() or b.name == prefer] or rotated
         tokens = self.settings.block_tokens
         matched = {b.name: self.index.matched_blocks(b.name, blocks) * tokens for b in up}
         if self.slots is not None:
@@ -146,18 +148,21 @@ class Router:
             penalty = self.settings.load_penalty_tokens
             ranked = sorted(up, key=lambda b: matched[b.name] - penalty * self.health[b.name].in_flight,
                             reverse=True)
+        if prefer is not None:
+            ranked = sorted(ranked, key=lambda b: b.name != prefer)
         return [(b, matched[b.name]) for b in ranked]
 
     async def call(self, model_id: str, attempt: Callable[[Backend], Awaitable[T]],
                    blocks: Sequence[PrefixBlock] = (), salt: str = "", *,
-                   path: str | None = None) -> tuple[T, Route]:
+                   path: str | None = None, prefer: str | None = None) -> tuple[T, Route]:
         """Run `attempt` on the best backend for `model_id`. The caller must `release` the route
         when the request is over (for a stream: when the stream ends). On a llama.cpp server the
         request is pinned to a slot, restored from kvgate's tiers first where that helps. `path`, the
-        route asked (`/embeddings`): an upstream that answered 501 on it is not asked again for a while."""
+        route asked (`/embeddings`): an upstream that answered 501 on it is not asked again for a while.
+        `prefer`: the backend to try first (`order`)."""
         serving = await self._candidates(model_id)
         tries = Tries(self.health)
-        for backend, matched in self.order(serving, blocks, salt):
+        for backend, matched in self.order(serving, blocks, salt, prefer):
             if (reason := self._unserved(backend.name, path)) is not None:
                 tries.not_served(backend.name, reason)
                 continue

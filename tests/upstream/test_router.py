@@ -109,6 +109,21 @@ async def test_failover_on_connect_errors_and_5xx_but_not_on_4xx() -> None:
     assert e.calls + f.calls == 1, "a 4xx is the request's fault: no other upstream is tried"
 
 
+async def test_the_preferred_backend_goes_first_even_when_down() -> None:
+    """A stored Responses conversation lives on one upstream: only it can continue it."""
+    a, b = Upstream("a"), Upstream("b")
+    r = router(a, b)
+    r.index.record("a", BLOCKS)
+    assert r.order(r.backends, BLOCKS, prefer="b")[0][0].name == "b", "over the prefix"
+    r.health["b"].in_flight = 5
+    assert [b.name for b, _ in r.order(r.backends, BLOCKS, prefer="b")] == ["b", "a"], "over the load"
+    r.health["b"].healthy = False  # its health check failed
+    assert r.order(r.backends, BLOCKS, prefer="b")[0][0].name == "b", "over a failed health check"
+    result, route = await r.call("m", lambda u: u.post_json("/responses", {}), blocks=BLOCKS, prefer="b")
+    r.release(route)
+    assert result.body["from"] == "b"
+
+
 async def test_open_circuit_is_skipped_and_nothing_left_is_unavailable() -> None:
     a, b = Upstream("a", ["connect"] * 10), Upstream("b")
     r = router(a, b, failure_threshold=1, connect_retries=0, strategy=Strategy.ROUND_ROBIN)
