@@ -126,7 +126,7 @@ def create_app(settings: Settings) -> FastAPI:
             request_log.observers.append(gate.observe)
         configure_process(settings, engine_in_process=not settings.upstreams)
         router, engine = await build_router(settings)
-        attach_observability(app, request_log=request_log, router=router, engine=engine)
+        attach_observability(app, request_log=request_log, router=router, engine=engine, gate=gate)
         await router.discover()
         router.start_health_checks()
         response_cache = await open_response_cache(settings.responsecache, sessions)

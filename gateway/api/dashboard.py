@@ -8,6 +8,7 @@ Every asset is served from this package (no CDN), under a CSP that forbids any o
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from importlib.resources import files
 from typing import Any
 
@@ -21,6 +22,7 @@ from gateway.errors import InvalidField, NotFound
 from gateway.observability.kv_tiers import remote_tier_rows, slot_tier_rows, tier_rows
 from gateway.observability.metrics import Metrics
 from gateway.observability.summary import build_summary, parse_duration
+from gateway.usage.spend import key_rows
 
 ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
@@ -78,6 +80,8 @@ async def dashboard_summary(services: ServicesDep, metrics: MetricsDep, _: Admin
     if services.response_cache is not None:
         writes["entries_never_read"] = await services.response_cache.count_never_read()
     summary["cache_writes"] = writes or None
+    # Spend, limits and budget state per key (gateway/usage/spend.py), over the same window.
+    summary["keys"] = await key_rows(services.sessions, datetime.now(UTC) - window)
     return json_response(summary, headers=NO_STORE)
 
 

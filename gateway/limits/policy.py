@@ -31,7 +31,7 @@ def parse_period(text: str) -> int:
 def format_period(seconds: int | None) -> str:
     if seconds is None:
         return "lifetime"
-    for unit in ("w", "d", "h", "m"):
+    for unit in ("d", "h", "m"):  # days before weeks: 7d and 30d read as they were set
         if seconds % _UNIT_S[unit] == 0:
             return f"{seconds // _UNIT_S[unit]}{unit}"
     return f"{seconds}s"

@@ -14,6 +14,7 @@ from gateway.observability.middleware import RequestIdMiddleware
 
 if TYPE_CHECKING:
     from gateway.engine.service import Engine
+    from gateway.limits.gate import Gate
     from gateway.persistence.request_log import RequestLogWriter, RequestRecord
     from gateway.settings import Settings
     from gateway.upstream.router import Router
@@ -29,7 +30,7 @@ def install_observability(app: FastAPI, settings: Settings) -> Metrics:
 
 
 def attach_observability(app: FastAPI, *, request_log: RequestLogWriter, router: Router,
-                         engine: Engine | None) -> None:
+                         engine: Engine | None, gate: Gate | None = None) -> None:
     """Metrics observe every request-log row, and read the router and engine at scrape time."""
     metrics: Metrics = app.state.metrics
 
@@ -40,4 +41,4 @@ def attach_observability(app: FastAPI, *, request_log: RequestLogWriter, router:
             log.exception("metrics: observing a request failed")
 
     request_log.observers.append(observe)
-    metrics.live.attach(engine=engine, request_log=request_log, router=router)
+    metrics.live.attach(engine=engine, request_log=request_log, router=router, gate=gate)

@@ -41,6 +41,7 @@ from gateway.responsecache.status import HIT_KINDS, CacheStatus
 if TYPE_CHECKING:
     from gateway.engine.service import Engine
     from gateway.kvcache.manager import KVCacheManager
+    from gateway.limits.gate import Gate
     from gateway.observability.settings import ObservabilitySettings
     from gateway.persistence.request_log import RequestLogWriter, RequestRecord
     from gateway.slots.keeper import SlotKeeper
@@ -208,13 +209,15 @@ class LiveCollector(Collector):
         self.engine: Engine | None = None
         self.request_log: RequestLogWriter | None = None
         self.router: Router | None = None
+        self.gate: Gate | None = None
 
     def attach(self, *, engine: Engine | None = None, request_log: RequestLogWriter | None = None,
-               router: Router | None = None) -> None:
+               router: Router | None = None, gate: Gate | None = None) -> None:
         self.engine = engine
         self.kv = engine.kv if engine is not None else None
         self.request_log = request_log
         self.router = router
+        self.gate = gate
 
     def describe(self) -> Iterable[Metric]:
         return []
@@ -234,6 +237,12 @@ class LiveCollector(Collector):
             yield from engine_kv_work_metrics(self.engine)
         if self.router is not None and self.router.slots is not None and self.router.slots.servers():
             yield from slot_metrics(self.router.slots)
+        if self.gate is not None:
+            refused = CounterMetricFamily("kvgate_limit_refusals", "Requests refused by a key's or tenant's limit "
+                                          "(429), by kind: requests, tokens, parallel, budget", labels=["kind"])
+            for kind, count in sorted(self.gate.refused.items()):
+                refused.add_metric([kind], count)
+            yield refused
 
 
 def upstream_metrics(router: Router) -> Iterator[Metric]:

@@ -87,3 +87,28 @@ async def budget_state(sessions: async_sessionmaker, limits: Limits, *, key_pref
     spent = await SpendLedger(sessions).spent(Scope(f"{column}:{value}", str(value), limits, column, str(value)), start)
     renews = datetime.fromtimestamp(end, UTC) if limits.budget_period_s is not None else None
     return BudgetState(limits.budget_usd, spent, format_period(limits.budget_period_s), renews)
+
+
+async def key_rows(sessions: async_sessionmaker, since: datetime, limit: int = 50) -> list[dict[str, Any]]:
+    """The dashboard's keys table: each key that made requests since `since` (the biggest spenders
+    first, at most `limit`), with what it spent and saved, its limits and its budget state."""
+    from gateway.persistence.keys import list_keys
+
+    totals: dict[str | None, SpendRow] = {}
+    for row in await spend_by_day(sessions, "key", since):
+        total = totals.setdefault(row.group, SpendRow("", row.group, 0, 0, 0, 0, 0.0, 0.0))
+        total.requests += row.requests
+        total.cache_hits += row.cache_hits
+        total.cost_usd += row.cost_usd
+        total.saved_usd += row.saved_usd
+    infos = {k.prefix: k for k in await list_keys(sessions)}
+    top = sorted(totals.values(), key=lambda r: (r.cost_usd, r.requests), reverse=True)[:limit]
+    rows = []
+    for total in top:
+        info = infos.get(total.group or "")
+        state = await budget_state(sessions, info.limits, key_prefix=info.prefix) if info is not None else None
+        rows.append({"key": total.group, "tenant": info.tenant if info else None, "requests": total.requests,
+                     "cache_hits": total.cache_hits, "cost_usd": total.cost_usd, "saved_usd": total.saved_usd,
+                     "limits": info.limits.describe() if info else None,
+                     "budget": state.as_dict() if state else None})
+    return rows

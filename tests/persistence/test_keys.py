@@ -74,12 +74,26 @@ def test_keys_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     listing = capsys.readouterr().out
     assert key not in listing and admin not in listing
     acme = next(line for line in listing.splitlines() if line.startswith(key[:12]))
-    assert acme.split()[1:3] == ["acme", "tenant"] and acme.split()[-1] == "active" and "never" not in acme
+    assert acme.split()[1:3] == ["acme", "tenant"] and acme.split()[-3:] == ["active", "-", "-"] and "never" not in acme
     assert next(line for line in listing.splitlines() if line.startswith(admin[:12])).split()[2] == "admin"
 
     assert main(["keys", "revoke", key[:12], *db]) == 0
     assert main(["keys", "revoke", key[:12], *db]) == 1
     assert "no active key" in capsys.readouterr().err
     assert main(["keys", "list", "--tenant", "acme", *db]) == 0
-    assert capsys.readouterr().out.splitlines()[1].split()[-1] == "revoked"
+    assert capsys.readouterr().out.splitlines()[1].split()[-3] == "revoked"
+    # Limits: set at creation, changed and removed by update, shown by list with the budget's state.
+    assert main(["keys", "create", "--tenant", "lim", "--rpm", "5", "--budget", "2", "--budget-period", "7d", *db]) == 0
+    limited = capsys.readouterr().out.strip()
+    assert main(["keys", "update", limited[:12], "--rpm", "none", "--tpm", "900", *db]) == 0
+    assert main(["keys", "update", "--tenant", "lim", "--max-parallel", "3", *db]) == 0
+    capsys.readouterr()
+    assert main(["keys", "list", "--tenant", "lim", *db]) == 0
+    listing = capsys.readouterr().out
+    row = next(line for line in listing.splitlines() if line.startswith(limited[:12]))
+    assert "900 tpm, $2/7d" in row and "rpm" not in row and "$0.00 of $2, renews" in row
+    assert "tenant 'lim' (all its keys together): 3 parallel" in listing
+    assert main(["keys", "update", limited[:12], "--budget-period", "monthly", *db]) == 2
+    assert "30d, 7d, 24h or 1w" in capsys.readouterr().err
+    assert main(["keys", "update", "--rpm", "4", *db]) == 2
     assert main(["keys", "create", "--tenant", "acme", "--expires-in", "soon", *db]) == 2

@@ -191,6 +191,13 @@ function funnelRows(f, responseCache) {
   ].map(([step, count, of, what]) => ({ step, count, of, what }));
 }
 
+// A key's budget: what it spent of it in the period it is in, and when that period renews.
+function budget(b) {
+  if (!b) return "–";
+  const renews = b.renews_at ? ", renews " + b.renews_at.slice(0, 10) : "";
+  return usd(b.spent_usd) + " of " + usd(b.budget_usd) + renews + (b.exhausted ? " (spent)" : "");
+}
+
 const GROUP_COLUMNS = [
   ["requests", (r) => num(r.requests)],
   ["errors", (r) => num(r.errors)],
@@ -224,6 +231,11 @@ function render(data) {
   data.response_cache && data.response_cache.semantic ? "nothing yet" : "the semantic cache is off");
   table($("table-tenants"), [["tenant", (r) => r.tenant], ...GROUP_COLUMNS], data.tenants);
   table($("table-models"), [["model", (r) => r.model], ...GROUP_COLUMNS], data.models);
+  table($("table-keys"), [
+    ["key", (r) => r.key || "(no key)"], ["tenant", (r) => r.tenant || "–"], ["requests", (r) => num(r.requests)],
+    ["cache hits", (r) => num(r.cache_hits)], ["spent", (r) => usd(r.cost_usd)], ["saved", (r) => usd(r.saved_usd)],
+    ["limits", (r) => r.limits || "–"], ["budget", (r) => budget(r.budget)],
+  ], data.keys, "no requests in this window");
   table($("table-tiers"), [
     ["tier", (r) => r.name], ["up", (r) => (r.up ? "yes" : "no")], ["blocks", (r) => (r.files != null ? num(r.files) + " files" : num(r.num_blocks))],
     ["used", (r) => bytes(r.used_bytes)], ["capacity", (r) => bytes(r.capacity_bytes)],
