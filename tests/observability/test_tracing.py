@@ -221,6 +221,21 @@ def test_an_upstream_error_marks_both_spans(traced: Traced) -> None:
     assert upstream.attributes["error.type"] == "500"
 
 
+def test_a_stream_the_upstream_cuts_marks_both_spans(traced: Traced) -> None:
+    request_id = secrets.token_hex(8)
+    with httpx.stream("POST", traced.gateway.v1 + "/chat/completions", timeout=10, headers={
+            "authorization": f"Bearer {traced.gateway.api_key}", "x-request-id": request_id},
+            json={"model": MODEL, "stream": True, "fake_fault": "drop_mid_stream",
+                  "messages": [{"role": "user", "content": "one two three four"}]}) as response:
+        assert b"error" in response.read()
+
+    span = traced.request_span(request_id)
+    assert span.status == STATUS_ERROR and span.attributes["error.type"] == "upstream_unavailable"
+    assert span.attributes["http.response.status_code"] == 200  # the stream had begun
+    (upstream,) = traced.children(span)
+    assert upstream.status == STATUS_ERROR and upstream.attributes["error.type"] == "upstream_unavailable"
+
+
 # ---------------------------------------------------------------------- the switch
 
 
