@@ -48,7 +48,6 @@ class Tracing:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
             self._exporter = HttpExporter
-        self.protocol = protocol
         self._provider: TracerProvider | None = None
         self.tracer: Tracer | None = None
 
@@ -62,10 +61,6 @@ class Tracing:
         # Not set as the global provider: this app's spans are its own (tests run several apps), and
         # FastAPI's own telemetry (recent versions turn it on when a global provider is set) stays off.
         self._provider, self.tracer = provider, provider.get_tracer("kvgate")
-
-    def force_flush(self, timeout_ms: int = 10_000) -> bool:
-        """Export every ended span now (the batch processor otherwise waits up to OTEL_BSP_SCHEDULE_DELAY)."""
-        return self._provider.force_flush(timeout_ms) if self._provider is not None else True
 
     def shutdown(self) -> None:
         if self._provider is not None:
