@@ -18,7 +18,7 @@ from gateway.canonical.prepare import Preparer
 from gateway.errors import install_error_handlers
 from gateway.limits.asgi import LeaseMiddleware
 from gateway.limits.gate import open_gate
-from gateway.observability.install import attach_observability, install_observability
+from gateway.observability.install import attach_observability, detach_observability, install_observability
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
 from gateway.persistence.keys import FirstKeys, KeyStore, create_first_keys
 from gateway.persistence.request_log import RequestLogWriter
@@ -178,6 +178,7 @@ def create_app(settings: Settings) -> FastAPI:
             if gate is not None:
                 await gate.aclose()
             await db.dispose()
+            detach_observability(app)
 
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)

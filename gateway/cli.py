@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from gateway.engine.extra import missing_message as engine_missing
 from gateway.engine.settings import EngineSettings
 from gateway.observability.logging import configure_logging
+from gateway.observability.tracing import tracing_problem
 from gateway.persistence.location import DatabaseLocation
 from gateway.settings import Settings, parse_upstream_flag
 from gateway.shipped import bench_summary, bench_tree
@@ -87,6 +88,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if not settings.upstreams and (missing := engine_missing("kvgate serve with no upstream (the embedded default)")):
         print(f"kvgate: {missing}; or put it in front of an upstream: --upstream NAME=BASE_URL", file=sys.stderr)
+        return 2
+    if (problem := tracing_problem()) is not None:  # OTEL_TRACES_EXPORTER=otlp without the otel extra
+        print(f"kvgate: {problem}", file=sys.stderr)
         return 2
     configure_logging(settings)
     uvicorn.run(

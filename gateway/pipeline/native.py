@@ -23,6 +23,7 @@ import anyio
 import orjson
 
 from gateway.errors import GatewayError, UpstreamError, UpstreamProtocolError
+from gateway.observability.tracing import note_answer
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
 from gateway.pipeline.call import Call
 from gateway.pipeline.record import semantic_columns
@@ -139,6 +140,7 @@ class NativeRoute:
             raise
         run.first_byte_s, run.usage = time.perf_counter(), result.body.get("usage")
         self._record(call, run, route.backend.name, lookup.status if lookup else None, lookup)
+        note_answer(result.body)
         if self._on_usage is not None:
             self._on_usage(call.principal.tenant, call.body, run.usage)
         headers = {"x-request-id": call.request_id, "x-kvgate-usage-source": "upstream"}
@@ -167,6 +169,7 @@ class NativeRoute:
                    "kvgate": kvgate_info(KINDS.get(lookup.status, "exact"), lookup.similarity)}
         run.first_byte_s, run.usage = time.perf_counter(), message["usage"]
         self._record(call, run, None, lookup.status, lookup)
+        note_answer(message)
         headers = {**lookup.headers, "x-request-id": call.request_id}
         await _answered(call, message, None)
         if call.stream:
@@ -193,6 +196,7 @@ class NativeRoute:
                 self._router.release(route, ok=True if run.status == 200 else (None if run.status == 499 else False))
                 run.usage = assembler.message.get("usage") if assembler.message else None
                 self._record(call, run, route.backend.name, lookup.status if lookup else None, lookup)
+                note_answer(assembler.message)
                 if self._on_usage is not None and run.usage is not None:
                     self._on_usage(call.principal.tenant, call.body, run.usage)
                 finished_ok = assembler.done and run.error is None

@@ -16,6 +16,7 @@ import orjson
 
 from gateway.canonical.prepare import Prepared, Preparer
 from gateway.errors import GatewayError, UpstreamError
+from gateway.observability.tracing import note_answer
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.pipeline.call import Call, Route, compaction_field, compaction_headers, tenant_salt
 from gateway.pipeline.compaction import (
@@ -104,6 +105,7 @@ class Proxy:
         assert self.cache is not None
         self.log.record(request_row(call, started, status=200, usage=lookup.hit_usage, ttfb_s=time.perf_counter(),
                                     cache=lookup.status, lookup=lookup))
+        note_answer(lookup.answer)
         replayed = self.cache.replay(lookup, stream=call.stream, include_usage=call.include_usage)
         headers = {**lookup.headers, "x-request-id": call.request_id, **prepared.headers}
         if isinstance(replayed, list):
@@ -176,6 +178,7 @@ class Proxy:
         self.log.record(request_row(call, started, status=200, upstream=route.backend.name, usage=usage, ttfb_s=ttfb,
                                     cache=lookup.status if lookup else call.cache_status,
                                     lookup=lookup))
+        note_answer(result.body)
         stored = None
         if lookup is not None and self.cache is not None:
             stored = self.cache.store_later(lookup, result.body)

@@ -19,6 +19,7 @@ import anyio
 
 from gateway.canonical.prepare import Prepared
 from gateway.errors import UpstreamError
+from gateway.observability.tracing import note_response
 from gateway.pipeline.call import Call, compaction_field, compaction_headers, stream_body, tenant_salt
 from gateway.pipeline.condense import annotate_usage, condense_headers
 from gateway.pipeline.record import request_row
@@ -136,6 +137,7 @@ class StreamRun:
             call, self._started, status=status, upstream=self._route.backend.name, usage=usage,
             ttfb_s=outcome.first_byte_s, error=error, cache=self._lookup.status if self._lookup else None,
             lookup=self._lookup))
+        note_response(outcome.model, outcome.finish_reason)
         self._keep()
         if self._flight is not None:  # no complete answer came: the waiters fail with this one
             self._proxy.flights.fail(self._flight, error or UpstreamError(

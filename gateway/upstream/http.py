@@ -41,6 +41,7 @@ from gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from gateway.observability.tracing import UNTRACED, UpstreamCall, upstream_call
 from gateway.upstream.backend import JSONObject, UpstreamJSON, relayed
 from gateway.upstream.settings import UpstreamSettings
 
@@ -127,20 +128,26 @@ def _trace_config() -> aiohttp.TraceConfig:
 
 
 class _HttpStream:
-    def __init__(self, response: aiohttp.ClientResponse, name: str) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, name: str, span: UpstreamCall = UNTRACED) -> None:
         self._response = response
         self._name = name
+        self._span = span  # the upstream call's span (tracing on) ends when the stream does
         self.headers = relayed(response.headers)
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        with _mapped(self._name):
-            async for chunk in self._response.content.iter_any():
-                yield chunk
+        try:
+            with _mapped(self._name):
+                async for chunk in self._response.content.iter_any():
+                    yield chunk
+        except Exception as exc:
+            self._span.failed(exc)
+            raise
 
     async def aclose(self) -> None:
         # close(), not release(): an unfinished stream must drop the connection so that the
         # upstream sees the disconnect and stops generating.
         self._response.close()
+        self._span.end()
 
 
 class HttpBackend:
@@ -233,12 +240,14 @@ class HttpBackend:
 
     async def post_json(self, path: str, body: JSONObject, *, salt: str = "",
                         headers: dict[str, str] | None = None) -> UpstreamJSON:
-        with _mapped(self.name):
-            response = await self._post(path, body, salt, headers)
-            try:
-                raw = await response.read()
-            finally:
-                response.release()
+        with upstream_call(self.name, self._base, path) as span:
+            with _mapped(self.name):
+                response = await self._post(path, body, salt, span.outgoing(headers))
+                try:
+                    raw = await response.read()
+                finally:
+                    response.release()
+            span.answered(response.status)
         if response.status >= 400:
             raise UpstreamStatusError(response.status, _error_body(raw), self.name, _error_headers(response))
         try:
@@ -251,22 +260,24 @@ class HttpBackend:
 
     async def post_stream(self, path: str, body: JSONObject, *, salt: str = "",
                         headers: dict[str, str] | None = None) -> _HttpStream:
-        with _mapped(self.name):
-            response = await self._post(path, body, salt, headers)
-        if response.status >= 400:
-            try:
-                with _mapped(self.name):
-                    raw = await response.content.read(MAX_ERROR_BODY_BYTES)
-            finally:
+        with upstream_call(self.name, self._base, path) as span:
+            with _mapped(self.name):
+                response = await self._post(path, body, salt, span.outgoing(headers))
+            span.answered(response.status)
+            if response.status >= 400:
+                try:
+                    with _mapped(self.name):
+                        raw = await response.content.read(MAX_ERROR_BODY_BYTES)
+                finally:
+                    response.close()
+                raise UpstreamStatusError(response.status, _error_body(raw), self.name, _error_headers(response))
+            content_type = response.headers.get("content-type", "")
+            if "text/event-stream" not in content_type:
                 response.close()
-            raise UpstreamStatusError(response.status, _error_body(raw), self.name, _error_headers(response))
-        content_type = response.headers.get("content-type", "")
-        if "text/event-stream" not in content_type:
-            response.close()
-            raise UpstreamProtocolError(
-                f"upstream {self.name!r} answered a stream request with {content_type or 'no content type'}"
-            )
-        return _HttpStream(response, self.name)
+                raise UpstreamProtocolError(
+                    f"upstream {self.name!r} answered a stream request with {content_type or 'no content type'}"
+                )
+            return _HttpStream(response, self.name, span.keep())
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -31,6 +31,7 @@ class StreamOutcome:
     started_s: float = field(default_factory=time.perf_counter)
     first_byte_s: float | None = None
     usage: dict[str, Any] | None = None
+    model: str | None = None  # the answer's, as its first chunk names it
     finish_reason: str | None = None
     completed: bool = False
     error: GatewayError | None = None
@@ -109,6 +110,8 @@ def _relayed(event: bytes, payload: dict[str, Any], outcome: StreamOutcome, drop
     """The event as the client gets it (None: dropped), tee'd into the outcome."""
     if outcome.chunks is not None:
         outcome.chunks.append(payload)
+    if outcome.model is None and isinstance(model := payload.get("model"), str):
+        outcome.model = model
     if _is_usage_only(payload, outcome) and drop_usage_chunk:
         return None
     if payload.get("usage") and rewrite_usage_chunk is not None:
