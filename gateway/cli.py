@@ -131,19 +131,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_limit_flags(parser: argparse.ArgumentParser) -> None:
-    from gateway.persistence.keys_command import limit_value
-
-    none = " ('none' removes it)"
-    parser.add_argument("--rpm", type=limit_value(int), help="requests per minute" + none)
-    parser.add_argument("--tpm", type=limit_value(int), help="upstream tokens (prompt + completion) per minute" + none)
-    parser.add_argument("--max-parallel", type=limit_value(int), help="requests in flight at once" + none)
-    parser.add_argument("--budget", type=limit_value(float), metavar="USD",
-                        help="spend budget in USD at the configured prices (KVGATE_USAGE__PRICES)" + none)
-    parser.add_argument("--budget-period", metavar="PERIOD",
-                        help="how often the budget renews: 30d, 7d, 24h, 1w ('none': once, for the key's life)")
-
-
 def cmd_keys(args: argparse.Namespace) -> int:
     from gateway.observability.summary import parse_duration
     from gateway.persistence.keys import ADMIN_TENANT
@@ -235,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--database-url", help=database)
     migrate.add_argument("--revision", default="head", help="the alembic revision to upgrade to (default: %(default)s)")
     migrate.add_argument("--downgrade", metavar="REVISION", help="downgrade to REVISION instead (`base`: no tables)")
+
+    from gateway.limits.flags import add_limit_flags
 
     keys = sub.add_parser("keys", help="manage gateway API keys (create, list, revoke)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)

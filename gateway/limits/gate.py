@@ -23,8 +23,9 @@ from datetime import UTC, datetime
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.errors import RateLimited
-from gateway.limits.counters import Counters, MemoryCounters, RedisCounters, Refusal, Scope, SpendLedger, Used
+from gateway.limits.counters import Counters, MemoryCounters, Refusal, Scope, SpendLedger, Used
 from gateway.limits.policy import format_reset, minute_window
+from gateway.limits.redis_counters import RedisCounters
 from gateway.limits.resp import RedisReplyError
 from gateway.limits.settings import LimitsSettings
 from gateway.persistence.keys import Principal

@@ -46,7 +46,7 @@ class _Parser:
 
     def feed(self, data: bytes) -> list[Any]:
         self._buffer += data
-        replies = []
+        replies: list[Any] = []
         while True:
             parsed = self._parse(0)
             if parsed is None:
@@ -137,9 +137,9 @@ class FastRedis:
             if self._protocol is not None and self._protocol.lost is None:
                 return self._protocol
             loop = asyncio.get_running_loop()
-            _, protocol = await asyncio.wait_for(
+            _, opened = await asyncio.wait_for(
                 loop.create_connection(_Protocol, self._host, self._port), self._timeout_s)
-            self._protocol = protocol
+            self._protocol = protocol = opened
             if self._password:
                 await self._send(protocol, "AUTH", self._password)
             if self._db:

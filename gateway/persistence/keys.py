@@ -189,10 +189,10 @@ class KeyStore:
         if found is None:
             self._cache.pop(digest, None)
             return None
-        key, tenant = found
-        expires_at = key.expires_at
-        principal = Principal(tenant=tenant.name, is_admin=bool(key.is_admin), key_prefix=key.key_prefix,
-                              limits=Limits.of_row(key), tenant_limits=Limits.of_row(tenant))
+        key_row, tenant_row = found
+        expires_at = key_row.expires_at
+        principal = Principal(tenant=tenant_row.name, is_admin=bool(key_row.is_admin), key_prefix=key_row.key_prefix,
+                              limits=Limits.of_row(key_row), tenant_limits=Limits.of_row(tenant_row))
         if len(self._cache) > 10_000:
             self._cache.clear()
         # An expiring key is cached no longer than it lives.

@@ -10,44 +10,13 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from gateway.limits.policy import parse_period
+from gateway.limits.flags import limit_changes
 from gateway.persistence.database import describe_db_error, make_engine, make_sessionmaker, upgrade
 from gateway.persistence.keys import ADMIN_TENANT, KeyInfo, create_key, list_keys, revoke_key, update_limits
 from gateway.persistence.location import DatabaseLocation
 from gateway.usage.spend import budget_state
 
 T = TypeVar("T")
-
-
-NONE = "none"
-
-
-def limit_value(kind: type) -> Callable[[str], object]:
-    """An argparse type for a limit: a positive number, or `none` to remove the limit."""
-
-    def parse(text: str) -> object:
-        if text.strip().lower() == NONE:
-            return NONE
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive number or 'none', not {text!r}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def limit_changes(args: argparse.Namespace) -> dict[str, int | float | None]:
-    """The limits the flags set; `none` becomes None (removed). ValueError for a bad period."""
-    changes: dict[str, int | float | None] = {}
-    for flag, name in (("rpm", "rpm"), ("tpm", "tpm"), ("max_parallel", "max_parallel"), ("budget", "budget_usd")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            changes[name] = None if value == NONE else value
-    period = getattr(args, "budget_period", None)
-    if period is not None:
-        changes["budget_period_s"] = None if period.strip().lower() == NONE else parse_period(period)
-    return changes
 
 
 class DatabaseUnusable(Exception):
