@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -14,6 +15,7 @@ from gateway.persistence.database import describe_db_error, make_engine, make_se
 from gateway.persistence.location import DatabaseLocation
 from gateway.persistence.models import RequestLog
 from gateway.settings import Settings
+from gateway.usage.spend import spend_summary
 
 
 def run_stats(settings: Settings, since: str, *, as_json: bool) -> int:
@@ -33,8 +35,11 @@ def run_stats(settings: Settings, since: str, *, as_json: bool) -> int:
                 tables = await conn.run_sync(lambda sync: inspect(sync).get_table_names())
             if RequestLog.__tablename__ not in tables:
                 return None
-            return await build_summary(make_sessionmaker(engine), window, settings.observability,
-                                       settings.price_for)
+            sessions = make_sessionmaker(engine)
+            summary = await build_summary(sessions, window, settings.observability, settings.price_for)
+            if "key_prefix" in {c["name"] for c in await conn_columns(engine)}:
+                summary["spend"] = await spend_summary(sessions, datetime.now(UTC) - window)
+            return summary
         finally:
             await engine.dispose()
 
@@ -54,6 +59,12 @@ def run_stats(settings: Settings, since: str, *, as_json: bool) -> int:
     else:
         print(render_text(summary, since))
     return 0
+
+
+async def conn_columns(engine: Any) -> list[dict[str, Any]]:
+    """The request log's columns: a database not yet migrated to spend (0010) has no spend to show."""
+    async with engine.connect() as conn:
+        return await conn.run_sync(lambda sync: inspect(sync).get_columns(RequestLog.__tablename__))
 
 
 def _pct(value: float | None) -> str:
@@ -111,4 +122,21 @@ def render_text(summary: dict[str, Any], since: str) -> str:
                  _pct(g["semantic_hit_rate"]), _pct(g["prefix_hit_rate"]), _pct(g["cache_efficiency"]),
                  _ms(g["ttft_ms"]["uncached"]["p50"])] for g in summary[key]]
         lines += ["", *_table([title, *headers], rows)]
+    if spend := summary.get("spend"):
+        lines += spend_lines(spend)
     return "\n".join(lines)
+
+
+def spend_lines(spend: dict[str, Any]) -> list[str]:
+    """What was spent and saved at the configured prices, per day and per key, tenant and model."""
+    headers = ["requests", "cache hits", "spent", "saved"]
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        return [str(r["requests"]), str(r["cache_hits"]), f"${r['cost_usd']:.4f}", f"${r['saved_usd']:.4f}"]
+
+    lines = ["", "spend at the configured prices (KVGATE_USAGE__PRICES); a cache hit spends nothing", "",
+             *_table(["day (UTC)", *headers], [[r["day"], *cells(r)] for r in spend["by_day"]])]
+    for title, key in (("key", "by_key"), ("tenant", "by_tenant"), ("model", "by_model")):
+        rows = [[str(r[title] or "(no key)"), *cells(r)] for r in spend[key][:20]]
+        lines += ["", *_table([title, *headers], rows)]
+    return lines

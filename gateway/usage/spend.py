@@ -96,11 +96,7 @@ async def key_rows(sessions: async_sessionmaker, since: datetime, limit: int = 5
 
     totals: dict[str | None, SpendRow] = {}
     for row in await spend_by_day(sessions, "key", since):
-        total = totals.setdefault(row.group, SpendRow("", row.group, 0, 0, 0, 0, 0.0, 0.0))
-        total.requests += row.requests
-        total.cache_hits += row.cache_hits
-        total.cost_usd += row.cost_usd
-        total.saved_usd += row.saved_usd
+        _add(totals.setdefault(row.group, SpendRow("", row.group, 0, 0, 0, 0, 0.0, 0.0)), row)
     infos = {k.prefix: k for k in await list_keys(sessions)}
     top = sorted(totals.values(), key=lambda r: (r.cost_usd, r.requests), reverse=True)[:limit]
     rows = []
@@ -112,3 +108,35 @@ async def key_rows(sessions: async_sessionmaker, since: datetime, limit: int = 5
                      "limits": info.limits.describe() if info else None,
                      "budget": state.as_dict() if state else None})
     return rows
+
+
+async def spend_summary(sessions: async_sessionmaker, since: datetime) -> dict[str, Any]:
+    """`kvgate stats`' spend: per day, and per key, tenant and model over the window (with their days)."""
+    by_day: dict[str, SpendRow] = {}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    bys: tuple[GroupBy, ...] = ("key", "tenant", "model")
+    for by in bys:
+        rows = await spend_by_day(sessions, by, since)
+        totals: dict[str | None, SpendRow] = {}
+        for row in rows:
+            _add(totals.setdefault(row.group, SpendRow("", row.group, 0, 0, 0, 0, 0.0, 0.0)), row)
+            if by == "key":
+                _add(by_day.setdefault(row.day, SpendRow(row.day, None, 0, 0, 0, 0, 0.0, 0.0)), row)
+        ordered = sorted(totals.values(), key=lambda r: (r.cost_usd, r.requests), reverse=True)
+        groups[by] = [{**total.as_dict(by),
+                       "days": [r.as_dict(by) for r in rows if r.group == total.group]} for total in ordered]
+        for entry in groups[by]:
+            entry.pop("day")
+    days = [r.as_dict("key") for r in sorted(by_day.values(), key=lambda r: r.day, reverse=True)]
+    for day in days:
+        day.pop("key")
+    return {"by_day": days, "by_key": groups["key"], "by_tenant": groups["tenant"], "by_model": groups["model"]}
+
+
+def _add(total: SpendRow, row: SpendRow) -> None:
+    total.requests += row.requests
+    total.cache_hits += row.cache_hits
+    total.prompt_tokens += row.prompt_tokens
+    total.completion_tokens += row.completion_tokens
+    total.cost_usd += row.cost_usd
+    total.saved_usd += row.saved_usd

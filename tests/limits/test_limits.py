@@ -4,6 +4,7 @@ replicas sharing PostgreSQL and Redis."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 import time
@@ -274,3 +275,35 @@ def test_a_budget_survives_a_restart_and_holds_on_the_other_replica(two_replicas
     with pytest.raises(openai.RateLimitError) as refused:
         ask(client(two, key))
     assert refused.value.code == "insufficient_quota"
+
+
+def test_spend_is_readable_per_key_tenant_model_and_day(gw: Gateway, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    tenant = f"t-{secrets.token_hex(4)}"
+    key = new_key(gw, tenant, budget_usd=50)
+    c = client(gw, key)
+    spent = sum(cost(ask(c).usage) for _ in range(3))
+    wait_for(lambda: spend_of(gw, key[:12])["requests"] == 3)
+    by_tenant = httpx.get(gw.base_url + "/admin/spend", params={"by": "tenant", "tenant": tenant},
+                          headers=ADMIN).json()
+    assert [r["tenant"] for r in by_tenant["data"]] == [tenant]
+    assert by_tenant["total_cost_usd"] == pytest.approx(spent, rel=1e-6)
+    by_model = httpx.get(gw.base_url + "/admin/spend", params={"by": "model", "tenant": tenant}, headers=ADMIN).json()
+    assert by_model["data"][0]["model"] == "fake-model" and by_model["data"][0]["requests"] == 3
+    assert httpx.get(gw.base_url + "/admin/spend", params={"by": "colour"}, headers=ADMIN).status_code == 422
+    assert httpx.get(gw.base_url + "/admin/spend", headers={"authorization": f"Bearer {key}"}).status_code == 403
+    # The dashboard's keys table: spend, limits and the budget's state.
+    summary = httpx.get(gw.base_url + "/dashboard/api/summary", headers=ADMIN).json()
+    [row] = [r for r in summary["keys"] if r["key"] == key[:12]]
+    assert row["tenant"] == tenant and row["cost_usd"] == pytest.approx(spent, rel=1e-6)
+    assert row["budget"]["spent_usd"] == pytest.approx(spent, rel=1e-6) and row["limits"] == "$50/lifetime"
+    # kvgate stats, from the same request log.
+    assert main(["stats", "--since", "1h", "--json", "--database-url", gw.database_url]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    [mine] = [r for r in stats["spend"]["by_key"] if r["key"] == key[:12]]
+    assert mine["cost_usd"] == pytest.approx(spent, rel=1e-6) and mine["requests"] == 3
+    assert mine["days"][0]["day"] == time.strftime("%Y-%m-%d", time.gmtime())
+    assert main(["stats", "--since", "1h", "--database-url", gw.database_url]) == 0
+    text = capsys.readouterr().out
+    assert "spend at the configured prices" in text and key[:12] in text and tenant in text
