@@ -128,6 +128,8 @@ def test_dashboard_in_a_real_browser(obs_gateway: Gateway, chromium: object, rep
         assert "team-a" in tenants
         assert MODEL in page.inner_text("#table-models")
         assert "fake" in page.inner_text("#table-upstreams")
+        keys = page.inner_text("#table-keys")  # spend and limits per key (the key's prefix only)
+        assert obs_gateway.api_key[:12] in keys and "team-a" in keys
         tiles = page.inner_text("#tiles")
         assert "Exact hit rate" in tiles and "Cache efficiency" in tiles
         busy = page.locator("#tiles .tile", has_text="Semantic skipped busy").inner_text()
