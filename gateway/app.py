@@ -121,7 +121,7 @@ def create_app(settings: Settings) -> FastAPI:
         request_log = RequestLogWriter(sessions, batch_size=settings.request_log_batch,
                                        price=row_pricer(settings.price_for))
         request_log.start()
-        gate = open_gate(settings.limits, sessions)
+        gate = open_gate(settings.limits, sessions, settings.database_url)
         if gate is not None:
             request_log.observers.append(gate.observe)
         configure_process(settings, engine_in_process=not settings.upstreams)

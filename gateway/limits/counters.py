@@ -1,8 +1,9 @@
-"""Where limits are counted: in this process (`MemoryCounters`, one gateway) or in Redis
+"""Where limits are counted: in this process (`MemoryCounters`, one gateway), in Redis
 (`RedisCounters` in gateway/limits/redis_counters.py: every replica of a deployment against the
-same counts, in one round trip).
+same counts, in one round trip) or in the database (`SqlCounters` in gateway/limits/sql_counters.py:
+every replica sharing PostgreSQL, for deployments without Redis).
 
-Both count the same things for each scope (a key, a tenant):
+All count the same things for each scope (a key, a tenant):
 
     requests   this minute's admitted requests              (fixed one-minute windows)
     tokens     this minute's upstream tokens, charged when the answer's usage is known
@@ -12,7 +13,8 @@ Both count the same things for each scope (a key, a tenant):
 A request is admitted only when every scope has room; then, and only then, its request and its
 lease are counted, so a refused request uses nothing. Tokens and spend are charged after the
 answer, off the request's path. A budget's spend is seeded from the request log (`SpendLedger`,
-the source of truth), so a restart or a Redis that lost its keys loses no spend.
+the source of truth), so a restart or a Redis that lost its keys loses no spend; memory and SQL
+counters keep it in a `SpendCache`.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Protocol
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
@@ -89,7 +90,8 @@ class SpendLedger:
         return float(total or 0.0)
 
 
-def _refusal(scope: Scope, used: Used) -> Refusal | None:
+def refusal_of(scope: Scope, used: Used) -> Refusal | None:
+    """The first limit of `scope` that `used` has reached, or None: room for one more request."""
     limits = scope.limits
     if limits.budget_usd is not None and used.spend >= limits.budget_usd:
         return Refusal(scope, "budget", limits.budget_usd, used.spend)
@@ -109,6 +111,52 @@ class _Spend:
     read_at: float  # monotonic time of the last read from the ledger
 
 
+class SpendCache:
+    """Each scope's spend in its budget period for counters that keep none of their own (memory,
+    SQL): read from the request log (`SpendLedger`) at first sight of the period, plus what this
+    process charged since, and re-read in the background every `refresh_s`, so that budgets hold
+    across replicas within that lag."""
+
+    def __init__(self, ledger: SpendLedger, refresh_s: float = 5.0) -> None:
+        self._ledger = ledger
+        self._refresh_s = refresh_s
+        self._spends: dict[str, _Spend] = {}
+        self._refreshing: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def spent(self, scope: Scope, now: float) -> float:
+        start, _ = scope.limits.budget_window(now)
+        spend = self._spends.get(scope.name)
+        if spend is None or spend.window_start != start:
+            if len(self._spends) > 100_000:  # forget those not read lately: read again when next needed
+                recent = time.monotonic() - self._refresh_s
+                self._spends = {k: v for k, v in self._spends.items() if v.read_at > recent}
+            # First sight of this period: read it before answering.
+            self._spends[scope.name] = spend = _Spend(start, await self._ledger.spent(scope, start), time.monotonic())
+        elif time.monotonic() - spend.read_at > self._refresh_s and scope.name not in self._refreshing:
+            self._refreshing.add(scope.name)
+            task = asyncio.ensure_future(self._reread(scope, spend))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return spend.amount
+
+    def charge(self, scope: Scope, cost_usd: float) -> None:
+        if (spend := self._spends.get(scope.name)) is not None:
+            spend.amount += cost_usd
+
+    async def _reread(self, scope: Scope, spend: _Spend) -> None:
+        try:
+            spend.amount, spend.read_at = await self._ledger.spent(scope, spend.window_start), time.monotonic()
+        except Exception as exc:  # the database is down: keep counting from what was read
+            log.warning("limits: could not re-read spend of %s (%s)", scope.label, type(exc).__name__)
+        finally:
+            self._refreshing.discard(scope.name)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
 @dataclass(slots=True)
 class _Minute:
     index: int = -1
@@ -120,63 +168,35 @@ class _Minute:
 class _ScopeCounts:
     minute: _Minute = field(default_factory=_Minute)
     leases: set[str] = field(default_factory=set)
-    spend: _Spend | None = None
 
 
 class MemoryCounters:
-    """Counts in this process: exact for one gateway process. With several replicas and no Redis,
-    requests, tokens and leases are each replica's own; spend is re-read from the request log
+    """Counts in this process: exact for one gateway process. With several replicas counting this
+    way, requests, tokens and leases are each replica's own; spend is re-read from the request log
     every `refresh_s`, so budgets hold across replicas within that lag."""
 
     def __init__(self, ledger: SpendLedger, refresh_s: float = 5.0) -> None:
-        self._ledger = ledger
-        self._refresh_s = refresh_s
+        self._spend = SpendCache(ledger, refresh_s)
         self._scopes: dict[str, _ScopeCounts] = {}
-        self._refreshing: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def _counts(self, scope: Scope, minute: int) -> _ScopeCounts:
         counts = self._scopes.get(scope.name)
         if counts is None:
-            if len(self._scopes) > 100_000:  # scopes without a lease, spend or this minute's counts
+            if len(self._scopes) > 100_000:  # scopes without a lease or this minute's counts
                 self._scopes = {k: v for k, v in self._scopes.items() if v.leases or v.minute.index == minute}
             counts = self._scopes[scope.name] = _ScopeCounts()
         if counts.minute.index != minute:
             counts.minute = _Minute(minute)
         return counts
 
-    async def _spend(self, scope: Scope, counts: _ScopeCounts, now: float) -> float:
-        start, _ = scope.limits.budget_window(now)
-        spend = counts.spend
-        if spend is None or spend.window_start != start:
-            # First sight of this period: read it before answering.
-            counts.spend = spend = _Spend(start, await self._ledger.spent(scope, start), time.monotonic())
-        elif time.monotonic() - spend.read_at > self._refresh_s and scope.name not in self._refreshing:
-            self._refreshing.add(scope.name)
-            self._spawn(self._reread(scope, spend))
-        return spend.amount
-
-    async def _reread(self, scope: Scope, spend: _Spend) -> None:
-        try:
-            spend.amount, spend.read_at = await self._ledger.spent(scope, spend.window_start), time.monotonic()
-        except Exception as exc:  # the database is down: keep counting from what was read
-            log.warning("limits: could not re-read spend of %s (%s)", scope.label, type(exc).__name__)
-        finally:
-            self._refreshing.discard(scope.name)
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def admit(self, scopes: list[Scope], lease: str, now: float) -> list[Used] | Refusal:
         minute, _ = minute_window(now)
         found: list[Used] = []
         for scope in scopes:
             counts = self._counts(scope, minute)
-            spend = await self._spend(scope, counts, now) if scope.limits.budget_usd is not None else 0.0
+            spend = await self._spend.spent(scope, now) if scope.limits.budget_usd is not None else 0.0
             used = Used(counts.minute.requests, counts.minute.tokens, len(counts.leases), spend)
-            if (refusal := _refusal(scope, used)) is not None:
+            if (refusal := refusal_of(scope, used)) is not None:
                 return refusal
             found.append(used)
         for scope in scopes:
@@ -191,11 +211,9 @@ class MemoryCounters:
         for scope in scopes:
             counts = self._counts(scope, minute)
             counts.minute.tokens += tokens
-            if counts.spend is not None:
-                counts.spend.amount += cost_usd
+            self._spend.charge(scope, cost_usd)
             if lease is not None:
                 counts.leases.discard(lease)
 
     async def aclose(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        await self._spend.aclose()

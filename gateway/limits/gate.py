@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.errors import RateLimited
@@ -28,6 +29,7 @@ from gateway.limits.policy import format_reset, minute_window
 from gateway.limits.redis_counters import RedisCounters
 from gateway.limits.resp import RedisReplyError
 from gateway.limits.settings import LimitsSettings
+from gateway.limits.sql_counters import SqlCounters
 from gateway.persistence.keys import Principal
 from gateway.persistence.request_log import RequestRecord
 from gateway.responsecache.status import HIT_KINDS
@@ -50,7 +52,7 @@ class Lease:
     used: list[Used]
     token: str
     admitted_at: float
-    counters: Counters  # the ones that admitted it (Redis, or this process's while Redis is down)
+    counters: Counters  # the ones that admitted it (shared, or this process's while those are down)
     # What the request used, charged when the lease is released (one round trip for both).
     tokens: int = 0
     cost_usd: float = 0.0
@@ -84,8 +86,8 @@ def scopes_of(principal: Principal) -> list[Scope]:
 
 
 class Gate:
-    """`fallback` counts while `counters` (Redis) cannot be reached: limits then hold per replica
-    rather than not at all, and no request fails for want of a counter."""
+    """`fallback` counts while `counters` (Redis, the database) cannot be reached: limits then hold
+    per replica rather than not at all, and no request fails for want of a counter."""
 
     def __init__(self, counters: Counters, fallback: Counters | None = None) -> None:
         self.counters = counters
@@ -104,13 +106,13 @@ class Gate:
         counters = self.counters
         try:
             found = await counters.admit(scopes, token, now)
-        except (OSError, TimeoutError, RedisReplyError) as exc:
+        except (OSError, TimeoutError, RedisReplyError, SQLAlchemyError) as exc:
             if self.fallback is None:
                 raise
             if now - self._warned_at > 60:
                 self._warned_at = now
-                log.warning("limits: Redis unreachable (%s); counting in this process until it is back",
-                            type(exc).__name__)
+                log.warning("limits: %s unreachable (%s); counting in this process until it is back",
+                            "Redis" if isinstance(counters, RedisCounters) else "the database", type(exc).__name__)
             counters = self.fallback
             found = await counters.admit(scopes, token, now)
         if isinstance(found, Refusal):
@@ -175,15 +177,21 @@ def _day(epoch_s: float) -> str:
     return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def open_gate(settings: LimitsSettings, sessions: async_sessionmaker) -> Gate | None:
-    """The gate the settings ask for: counts in Redis when `redis_url` is set (every replica shares
-    them), else in this process; None when limits are turned off."""
+def open_gate(settings: LimitsSettings, sessions: async_sessionmaker, database_url: str) -> Gate | None:
+    """The gate the settings ask for: counts in Redis when `redis_url` is set, else in the database
+    when it is PostgreSQL (every replica shares either), else in this process; None when limits are
+    turned off. `sessions` open `database_url`."""
     if not settings.enabled:
         return None
     ledger = SpendLedger(sessions)
-    if settings.store == "redis" or (settings.store == "auto" and settings.redis_url):
+    memory = MemoryCounters(ledger, refresh_s=settings.spend_refresh_s)
+    store = settings.store
+    if store == "auto":
+        store = "redis" if settings.redis_url else "sql" if database_url.startswith("postgresql") else "memory"
+    if store == "redis":
         if not settings.redis_url:
             raise ValueError("KVGATE_LIMITS__STORE=redis needs KVGATE_LIMITS__REDIS_URL")
-        return Gate(RedisCounters(settings.redis_url, ledger, prefix=settings.redis_prefix),
-                    fallback=MemoryCounters(ledger, refresh_s=settings.spend_refresh_s))
-    return Gate(MemoryCounters(ledger, refresh_s=settings.spend_refresh_s))
+        return Gate(RedisCounters(settings.redis_url, ledger, prefix=settings.redis_prefix), fallback=memory)
+    if store == "sql":
+        return Gate(SqlCounters(sessions, ledger, refresh_s=settings.spend_refresh_s), fallback=memory)
+    return Gate(memory)

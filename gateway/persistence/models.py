@@ -182,3 +182,27 @@ class StoredResponse(Base):
     input: Mapped[bytes] = mapped_column(LargeBinary)
     items: Mapped[bytes] = mapped_column(LargeBinary)
     response: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class LimitCount(Base):
+    """A scope's admitted requests and charged tokens in one clock minute (`minute`: epoch seconds
+    // 60), for replicas that count limits in the database (gateway/limits/sql_counters.py). `scope`
+    is `key:<prefix>` or `tenant:<name>`; rows older than a few minutes are deleted."""
+
+    __tablename__ = "limit_counts"
+
+    scope: Mapped[str] = mapped_column(String(160), primary_key=True)
+    minute: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    requests: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class LimitLease(Base):
+    """A request admitted under a scope's `max_parallel` and not finished yet. A lease left by a
+    replica that died mid-request stops counting at `expires_at` and is deleted after it."""
+
+    __tablename__ = "limit_leases"
+
+    scope: Mapped[str] = mapped_column(String(160), primary_key=True)
+    lease: Mapped[str] = mapped_column(String(32), primary_key=True)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
