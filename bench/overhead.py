@@ -353,10 +353,11 @@ def _start_servers(stack: ExitStack, args: argparse.Namespace, notes: list[str])
 
 # Limits no request of the benchmark reaches: every check runs (requests, tokens, concurrent
 # requests, budget), none refuses.
-LIMIT_FLAGS = ["--rpm", "1000000000", "--tpm", "1000000000000", "--max-parallel", "1000000", "--budget", "1000000000",
+LIMIT_FLAGS = ["--rpm", "1000000000", "--tpm", "2000000000", "--max-parallel", "1000000", "--budget", "1000000000",
                "--budget-period", "30d"]
 LIMITED, REDIS_PLAIN = "kvgate miss, limits", "kvgate miss, redis gateway"
 REDIS_LIMITED = "kvgate miss, limits in redis"
+PG_PLAIN, PG_LIMITED = "kvgate miss, postgres gateway", "kvgate miss, limits in postgres"
 
 
 def _limited_key(db: str, cwd: Path, tenant: str) -> str:
@@ -367,8 +368,8 @@ def _limited_key(db: str, cwd: Path, tenant: str) -> str:
 def _limited_paths(stack: ExitStack, tmp: Path, fake: str, db: str, gw_port: int, gw_pid: int,
                    notes: list[str]) -> list[Target]:
     """What limits cost: a key with every limit set (none reached) on the same gateway as
-    `kvgate miss` (counted in the process), and a gateway counting in Redis, with a key without
-    limits (its baseline) and one with them."""
+    `kvgate miss` (counted in the process), and gateways counting in Redis and in PostgreSQL, each
+    with a key without limits (its baseline) and one with them."""
     miss = {"x-kvgate-semantic": "off"}
     paths = [Target(LIMITED, f"http://127.0.0.1:{gw_port}/v1",
                     {"authorization": f"Bearer {_limited_key(db, tmp, 'bench-limited')}", **miss}, gw_pid)]
@@ -379,21 +380,61 @@ def _limited_paths(stack: ExitStack, tmp: Path, fake: str, db: str, gw_port: int
         redis.Redis.from_url(redis_url, socket_timeout=1).ping()
     except Exception as exc:
         notes.append(f"limits-in-Redis rows skipped: no Redis at {redis_url} ({type(exc).__name__})")
-        return paths
-    port, redis_db = _free_port(), f"sqlite+aiosqlite:///{tmp / 'redis-limits.db'}"
-    subprocess.run([sys.executable, "-m", "gateway", "migrate", "--database-url", redis_db], cwd=tmp,
+    else:
+        paths += _gateway_pair(stack, tmp, fake, f"sqlite+aiosqlite:///{tmp / 'redis-limits.db'}",
+                               (REDIS_PLAIN, REDIS_LIMITED),
+                               {"KVGATE_LIMITS__REDIS_URL": redis_url,
+                                "KVGATE_LIMITS__REDIS_PREFIX": f"kvgate-bench:{os.getpid()}:"})
+    try:
+        pg_url = stack.enter_context(_postgres_database())
+    except Exception as exc:
+        notes.append(f"limits-in-PostgreSQL rows skipped: no PostgreSQL at {PG_DSN} ({type(exc).__name__})")
+    else:
+        paths += _gateway_pair(stack, tmp, fake, pg_url, (PG_PLAIN, PG_LIMITED), {"KVGATE_LIMITS__STORE": "sql"})
+    return paths
+
+
+def _gateway_pair(stack: ExitStack, tmp: Path, fake: str, db: str, names: tuple[str, str],
+                  env: dict[str, str]) -> list[Target]:
+    """A gateway on `db` with `env`, and two paths to it: a key without limits, one with them."""
+    port = _free_port()
+    subprocess.run([sys.executable, "-m", "gateway", "migrate", "--database-url", db], cwd=tmp,
                    capture_output=True, check=True)
     plain = subprocess.run([sys.executable, "-m", "gateway", "keys", "create", "--tenant", "bench", "--database-url",
-                            redis_db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
-    limited = _limited_key(redis_db, tmp, "bench-limited")
+                            db], cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
+    limited = _limited_key(db, tmp, "bench-limited")
     pid = stack.enter_context(_process(
         [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--upstream", f"fake={fake}",
-         "--database-url", redis_db], f"http://127.0.0.1:{port}/readyz", timeout_s=400,
-        env={"KVGATE_LOG_LEVEL": "warning", "KVGATE_LIMITS__REDIS_URL": redis_url,
-             "KVGATE_LIMITS__REDIS_PREFIX": f"kvgate-bench:{os.getpid()}:"})).pid
-    base = f"http://127.0.0.1:{port}/v1"
-    return [*paths, Target(REDIS_PLAIN, base, {"authorization": f"Bearer {plain}", **miss}, pid),
-            Target(REDIS_LIMITED, base, {"authorization": f"Bearer {limited}", **miss}, pid)]
+         "--database-url", db], f"http://127.0.0.1:{port}/readyz", timeout_s=400,
+        env={"KVGATE_LOG_LEVEL": "warning", **env})).pid
+    base, miss = f"http://127.0.0.1:{port}/v1", {"x-kvgate-semantic": "off"}
+    return [Target(names[0], base, {"authorization": f"Bearer {plain}", **miss}, pid),
+            Target(names[1], base, {"authorization": f"Bearer {limited}", **miss}, pid)]
+
+
+PG_DSN = os.environ.get("KVGATE_BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+@contextmanager
+def _postgres_database() -> Iterator[str]:
+    """A new database on the PostgreSQL at KVGATE_BENCH_PG_DSN, dropped at the end."""
+    import asyncpg
+
+    name = f"kvgate_bench_{os.getpid()}"
+
+    async def run(sql: str) -> None:
+        conn = await asyncpg.connect(PG_DSN, timeout=3)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run(f"CREATE DATABASE {name}"))
+    try:
+        host = PG_DSN.split("://", 1)[1].rsplit("/", 1)[0]
+        yield f"postgresql+asyncpg://{host}/{name}"
+    finally:
+        asyncio.run(run(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
 
 
 def settled_cpu_seconds(pid: int, timeout_s: float = 60.0) -> float:
@@ -492,7 +533,7 @@ def _add_ratios(rows: list[dict[str, object]]) -> None:
         row["rps_vs_bare"] = ratio(row, "bare proxy", "rps")
         row["rps_vs_litellm"] = ratio(row, "litellm", "rps")
         row["cpu_vs_bare"] = ratio(row, "bare proxy", "cpu_ms_per_request")
-        baseline = {LIMITED: "kvgate miss", REDIS_LIMITED: REDIS_PLAIN}.get(str(row["path"]))
+        baseline = {LIMITED: "kvgate miss", REDIS_LIMITED: REDIS_PLAIN, PG_LIMITED: PG_PLAIN}.get(str(row["path"]))
         if baseline is not None and (base := by_key.get((baseline, row["concurrency"], row["stream"]))):
             row["limits_cost_p50_ms"] = round(float(row["p50_ms"]) - float(base["p50_ms"]), 3)  # type: ignore[arg-type]
             row["limits_cost_cpu_ms"] = round(float(row["cpu_ms_per_request"]) - float(base["cpu_ms_per_request"]), 3)  # type: ignore[arg-type]

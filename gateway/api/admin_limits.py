@@ -22,7 +22,7 @@ from gateway.api.body import read_json
 from gateway.api.deps import AdminDep, ServicesDep
 from gateway.api.responses import json_response
 from gateway.errors import InvalidField, NotFound
-from gateway.limits.policy import format_period, parse_period
+from gateway.limits.policy import MAX_LIMIT, format_period, parse_period
 from gateway.observability.summary import parse_duration
 from gateway.persistence.keys import ADMIN_TENANT, KeyInfo, create_key, list_keys, tenant_limits, update_limits
 from gateway.usage.spend import budget_state, spend_by_day
@@ -41,10 +41,10 @@ def limit_changes(body: dict[str, Any]) -> dict[str, int | float | None]:
         value = body[name]
         if value is None:
             changes[name] = None
-        elif isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or (
+        elif isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_LIMIT or (
                 kind is int and not isinstance(value, int)):
-            raise InvalidField(f"{name}: expected a positive {'integer' if kind is int else 'number'} or null",
-                               param=name)
+            raise InvalidField(f"{name}: expected a positive {'integer' if kind is int else 'number'} up to "
+                               f"{MAX_LIMIT}, or null", param=name)
         else:
             changes[name] = kind(value)
     if "budget_period" in body:

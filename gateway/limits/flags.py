@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from gateway.limits.policy import parse_period
+from gateway.limits.policy import MAX_LIMIT, parse_period
 
 NONE = "none"
 
@@ -18,8 +18,8 @@ def limit_value(kind: type) -> Callable[[str], object]:
         if text.strip().lower() == NONE:
             return NONE
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive number or 'none', not {text!r}")
+        if not 0 < value <= MAX_LIMIT:
+            raise argparse.ArgumentTypeError(f"expected a positive number up to {MAX_LIMIT} or 'none', not {text!r}")
         return value
 
     parse.__name__ = kind.__name__

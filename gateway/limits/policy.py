@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 MINUTE_S = 60
+# The largest limit a key or tenant can have: its columns are 32-bit integers.
+MAX_LIMIT = 2**31 - 1
 _PERIOD = re.compile(r"^\s*(\d+)\s*(s|m|h|d|w)\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
 # A lifetime budget's "period" reaches this far (its Redis counter expires after it).

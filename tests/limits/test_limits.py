@@ -209,6 +209,7 @@ def test_a_key_over_its_budget_gets_insufficient_quota_and_a_cache_hit_is_free(g
 
 def test_bad_limits_are_refused_with_a_clear_error(gw: Gateway) -> None:
     for body, param in (({"tenant": "x", "rpm": 0}, "rpm"), ({"tenant": "x", "rpm": 1.5}, "rpm"),
+                        ({"tenant": "x", "tpm": 10**12}, "tpm"),
                         ({"tenant": "x", "budget_usd": 5, "budget_period": "monthly"}, "budget_period")):
         answer = httpx.post(gw.base_url + "/admin/keys", json=body, headers=ADMIN)
         assert answer.status_code == 422 and answer.json()["error"]["param"] == param, answer.text
