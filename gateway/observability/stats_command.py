@@ -108,6 +108,7 @@ def render_text(summary: dict[str, Any], since: str) -> str:
         f"cache efficiency    {_pct(o['cache_efficiency'])} (read / (read + creation))",
         f"tokens              prompt {t['prompt']}, cached {t['cached']}, cache creation {t['cache_creation']}, "
         f"completion {t['completion']}",
+        f"spent               {_usd_or_unpriced(o.get('cost_usd'))} (at the prices in force when each was logged)",
         f"saved               {saved_tokens} tokens, {saved_usd}",
         f"condensed           {o['tokens_saved'].get('condensing', 0)} tokens, "
         f"{_usd_or_unpriced(o['cost_saved_usd'].get('condensing'))} (context cut before the upstream read it)",

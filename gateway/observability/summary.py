@@ -44,6 +44,7 @@ class Row:
     condensed_from_tokens: int | None = None
     semantic_skipped: str | None = None
     semantic_stage: str | None = None
+    cost_usd: float | None = None  # at the prices in force when it was logged (null: not priced)
 
     @property
     def condensed_tokens(self) -> int:
@@ -86,7 +87,7 @@ async def load_rows(sessions: async_sessionmaker, since: datetime, max_rows: int
     query = (
         select(t.created_at, t.tenant, t.model, t.route, t.status, t.prompt_tokens, t.completion_tokens,
                t.cached_tokens, t.cache_creation_tokens, t.ttfb_ms, t.total_ms, t.cache, t.condensed_from_tokens,
-               t.semantic_skipped, t.semantic_stage)
+               t.semantic_skipped, t.semantic_stage, t.cost_usd)
         .where(t.created_at >= since)
         .order_by(t.created_at.desc())
         .limit(max_rows)
@@ -104,7 +105,7 @@ async def load_rows(sessions: async_sessionmaker, since: datetime, max_rows: int
                 creation = 0 if r.cache in HITS else max(prompt - cached, 0)
             rows.append(Row(created, r.tenant, r.model, r.route, r.status, prompt, r.completion_tokens or 0,
                             cached, creation, r.ttfb_ms, r.total_ms, r.cache, r.condensed_from_tokens,
-                            r.semantic_skipped, r.semantic_stage))
+                            r.semantic_skipped, r.semantic_stage, r.cost_usd))
     rows.reverse()
     return rows
 
@@ -187,6 +188,9 @@ def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
         },
         "tokens_saved": {"response_cache": hit_prompt + hit_completion, "kv_cache": cached,
                          "condensing": condensed},
+        # What the requests cost (the request log's cost_usd): null when none was priced.
+        "cost_usd": (round(sum(r.cost_usd for r in rows if r.cost_usd is not None), 6)
+                     if any(r.cost_usd is not None for r in rows) else None),
         "cost_saved_usd": {
             "response_cache": round(saved_response / 1e6, 6) if priced else None,
             "kv_cache": round(saved_kv / 1e6, 6) if priced else None,

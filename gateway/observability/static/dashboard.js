@@ -208,6 +208,7 @@ const GROUP_COLUMNS = [
   ["prompt tok", (r) => num(r.tokens.prompt)],
   ["cached tok", (r) => num(r.tokens.cached)],
   ["completion tok", (r) => num(r.tokens.completion)],
+  ["spent", (r) => usd(r.cost_usd)],
   ["saved", (r) => usd(sum(r.cost_saved_usd.response_cache, r.cost_saved_usd.kv_cache))],
   ["TTFT p50", (r) => ms(r.ttft_ms.uncached.p50)],
 ];
