@@ -310,3 +310,18 @@ def test_spend_is_readable_per_key_tenant_model_and_day(gw: Gateway, capsys: pyt
     assert main(["stats", "--since", "1h", "--database-url", gw.database_url]) == 0
     text = capsys.readouterr().out
     assert "spend at the configured prices" in text and key[:12] in text and tenant in text
+
+
+def test_anthropics_route_refuses_in_anthropics_envelope(gw: Gateway) -> None:
+    import anthropic
+
+    fresh_minute()
+    key = new_key(gw, rpm=1)
+    ask(client(gw, key))
+    claude = anthropic.Anthropic(base_url=gw.base_url, api_key=key, max_retries=0)
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        claude.messages.create(model="fake-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    body = refused.value.body
+    assert isinstance(body, dict) and body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+    assert "requests per min (RPM): Limit 1" in body["error"]["message"]
+    assert refused.value.response.headers["retry-after"]
