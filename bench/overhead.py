@@ -45,7 +45,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.loadgen import RunResult, run_load
+from bench.loadgen import Connection, RunResult, run_load
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = REPO.parent / "shared" / "data" / "qqp" / "dev.jsonl.gz"
@@ -437,6 +437,62 @@ def _postgres_database() -> Iterator[str]:
         asyncio.run(run(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
 
 
+def _limits_ab(paths: list[Target], requests: int) -> list[dict[str, object]]:
+    """What limits add on the request path, measured A/B: one connection per key to the same
+    gateway, one request at a time, alternating between the key without limits and the key with
+    them (in both orders), so that drift, deferred work and the cache's growth fall on both alike.
+    The first tenth of each run is warm-up. (The table's rows, run one path after the other, put
+    the second path of a pair after the first one's deferred work.)"""
+    by_name = {p.name: p for p in paths}
+    results = []
+    for baseline, limited, store in (("kvgate miss", LIMITED, "memory"), (REDIS_PLAIN, REDIS_LIMITED, "redis"),
+                                     (PG_PLAIN, PG_LIMITED, "postgres")):
+        if baseline not in by_name or limited not in by_name:
+            continue
+        for stream in (False, True):
+            plain_ms, limited_ms = asyncio.run(_alternate(by_name[baseline], by_name[limited], stream, requests))
+            p50_plain, p50_limited = statistics.median(plain_ms), statistics.median(limited_ms)
+            results.append({"store": store, "stream": stream, "requests": len(plain_ms),
+                            "p50_ms": round(p50_plain, 3), "p50_limits_ms": round(p50_limited, 3),
+                            "added_p50_ms": round(p50_limited - p50_plain, 3),
+                            "mean_ms": round(statistics.mean(plain_ms), 3),
+                            "mean_limits_ms": round(statistics.mean(limited_ms), 3)})
+    return results
+
+
+async def _alternate(plain: Target, limited: Target, stream: bool, requests: int) -> tuple[list[float], list[float]]:
+    url = plain.base + "/chat/completions"
+    body = _bodies(stream, unique=True)
+    connections = [Connection(url, t.headers) for t in (plain, limited)]
+    times: tuple[list[float], list[float]] = ([], [])
+    try:
+        for i in range(requests):
+            for which in ((0, 1) if i % 2 else (1, 0)):
+                sample = await connections[which].post(body())
+                if sample.status != 200:
+                    raise RuntimeError(f"limits A/B: HTTP {sample.status}")
+                if i >= requests // 10:
+                    times[which].append(sample.latency_s * 1000)
+    finally:
+        for connection in connections:
+            await connection.close()
+    return times
+
+
+def _print_limits_ab(results: list[dict[str, object]]) -> None:
+    if not results:
+        return
+    print()
+    print("limits on the request path, A/B (one request at a time, alternating a key without limits and one "
+          "with every limit set, on the same gateway)")
+    print("| counted in | stream | requests each | p50 without | p50 with limits | added p50 ms | mean without | "
+          "mean with |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['store']} | {r['stream']} | {r['requests']} | {r['p50_ms']} | {r['p50_limits_ms']} | "
+              f"{r['added_p50_ms']:+} | {r['mean_ms']} | {r['mean_limits_ms']} |")
+
+
 def settled_cpu_seconds(pid: int, timeout_s: float = 60.0) -> float:
     """CPU time of a process tree once it has gone idle: work a server deferred past its answers
     (stores, log writes, embeddings) counts against the requests that caused it."""
@@ -492,6 +548,8 @@ def main(argv: list[str]) -> int:
                         help="requests per round at concurrency 32 (default 800)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (medians printed)")
     parser.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM proxy rows")
+    parser.add_argument("--requests-ab", type=int, default=1500, metavar="N",
+                        help="requests per key in the limits A/B runs (0: none; default 1500)")
     parser.add_argument("--only", action="append", metavar="PATH",
                         help="measure only this path (repeatable; 'direct' is always measured), e.g. "
                              f"--only 'kvgate miss' --only '{LIMITED}'")
@@ -504,6 +562,7 @@ def main(argv: list[str]) -> int:
     with ExitStack() as stack:
         paths = _start_servers(stack, args, notes)
         cells = _measure(paths, args)
+        limits_ab = _limits_ab(paths, args.requests_ab) if args.requests_ab else []
     rows = [_row(name, c, stream, cell) for (name, c, stream), cell in cells.items()]
     _add_ratios(rows)
     if (embedder := _embedder_rss()) is not None:
@@ -511,9 +570,10 @@ def main(argv: list[str]) -> int:
                      "RSS "
                      f"to a process that imported kvgate ({embedder[1] / 2**20:.0f} MB)")
     if args.json:
-        print(json.dumps({"rows": rows, "notes": notes}))
+        print(json.dumps({"rows": rows, "limits_ab": limits_ab, "notes": notes}))
     else:
         _print_table(rows, notes)
+        _print_limits_ab(limits_ab)
     return 0
 
 

@@ -4,6 +4,8 @@ after the answer (`finish`). The counts are those of gateway/limits/counters.py.
 
 from __future__ import annotations
 
+import asyncio
+
 from gateway.limits.counters import LEASE_TTL_S, Refusal, Scope, SpendLedger, Used
 from gateway.limits.policy import minute_window
 from gateway.limits.resp import FastRedis
@@ -45,23 +47,28 @@ for i = 0, #KEYS / 4 - 1 do
 end
 return {1, unpack(used)}
 """
-# After the answer, one round trip: charge the tokens and cost to every scope and release the lease.
-# KEYS: 3 per scope (tokens this minute, leases, spend this period or ''); ARGV: tokens, cost, lease
-# ('' when released already). Spend is added only to a period already seeded (else the seed, read
-# from the request log later, holds it).
+# After the answers, one round trip for every request finished in the last few milliseconds: charge
+# tokens and cost to each scope and release each lease. KEYS: 3 per scope of each request (tokens
+# this minute, leases, spend this period or ''); ARGV: 3 beside each (tokens, cost, lease; '' when
+# released already). Spend is added only to a period already seeded (else the seed, read from the
+# request log later, holds it).
 _FINISH = """
 for k = 1, #KEYS, 3 do
-  if tonumber(ARGV[1]) > 0 then
-    redis.call('INCRBY', KEYS[k], ARGV[1])
+  local tokens, cost, lease = tonumber(ARGV[k]), tonumber(ARGV[k + 1]), ARGV[k + 2]
+  if tokens > 0 then
+    redis.call('INCRBY', KEYS[k], tokens)
     redis.call('EXPIRE', KEYS[k], 120)
   end
-  if ARGV[3] ~= '' then redis.call('ZREM', KEYS[k + 1], ARGV[3]) end
-  if KEYS[k + 2] ~= '' and tonumber(ARGV[2]) > 0 and redis.call('EXISTS', KEYS[k + 2]) == 1 then
-    redis.call('INCRBYFLOAT', KEYS[k + 2], ARGV[2])
+  if lease ~= '' then redis.call('ZREM', KEYS[k + 1], lease) end
+  if KEYS[k + 2] ~= '' and cost > 0 and redis.call('EXISTS', KEYS[k + 2]) == 1 then
+    redis.call('INCRBYFLOAT', KEYS[k + 2], ARGV[k + 1])
   end
 end
 return 1
 """
+# How long finished requests wait to be sent together, and how many at most.
+FINISH_BATCH_S = 0.005
+FINISH_BATCH_MAX = 64
 
 
 class RedisCounters:
@@ -74,6 +81,9 @@ class RedisCounters:
         self._prefix = prefix
         self._admit = self._redis.script(_ADMIT)
         self._finish = self._redis.script(_FINISH)
+        self._finished_keys: list[str] = []  # of requests finished, not yet sent (`_send_finished`)
+        self._finished_args: list[str | int] = []
+        self._flush: asyncio.TimerHandle | None = None
 
     def _keys(self, scope: Scope, now: float) -> list[str]:
         minute, _ = minute_window(now)
@@ -111,13 +121,27 @@ class RedisCounters:
     def finish(self, scopes: list[Scope], lease: str | None, tokens: int, cost_usd: float, now: float) -> None:
         if tokens <= 0 and cost_usd <= 0 and not any(s.limits.max_parallel is not None for s in scopes):
             return
-        keys: list[str] = []
         for scope in scopes:
             _, tokens_key, leases, spend = self._keys(scope, now)
-            keys += [tokens_key, leases, spend]
-        self._redis.fire("EVALSHA", self._finish, len(keys), *keys, tokens, repr(cost_usd), lease or "")
+            self._finished_keys += [tokens_key, leases, spend]
+            self._finished_args += [tokens, repr(cost_usd), lease or ""]
+        if len(self._finished_keys) >= 3 * FINISH_BATCH_MAX:
+            self._send_finished()
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(FINISH_BATCH_S, self._send_finished)
+
+    def _send_finished(self) -> None:
+        """One script call for the requests finished since the last (a lease freed a few ms late)."""
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        if self._finished_keys:
+            keys, args = self._finished_keys, self._finished_args
+            self._finished_keys, self._finished_args = [], []
+            self._redis.fire("EVALSHA", self._finish, len(keys), *keys, *args)
 
     async def aclose(self) -> None:
+        self._send_finished()
         await self._redis.aclose()
 
 
