@@ -28,14 +28,11 @@ class Base(DeclarativeBase):
     pass
 
 
-class Tenant(Base):
-    __tablename__ = "tenants"
+class LimitColumns:
+    """The limits a key or a tenant can have (null: none; gateway/limits/policy.py). Requests and
+    tokens per minute, concurrent requests, and a spend budget in USD per `budget_period_s` (null:
+    for the key's whole life) counted from `budget_started_at`."""
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    # Limits (null: none). Requests and tokens per minute, concurrent requests, and a spend budget
-    # in USD per `budget_period_s` (null: for the key's whole life) counted from `budget_started_at`.
     rpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_parallel: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -44,7 +41,15 @@ class Tenant(Base):
     budget_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
-class ApiKey(Base):
+class Tenant(LimitColumns, Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(LimitColumns, Base):
     """A gateway key, stored as its SHA-256: keys are 256-bit random, so a slow hash buys nothing."""
 
     __tablename__ = "api_keys"
@@ -59,14 +64,6 @@ class ApiKey(Base):
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # An admin key opens /dashboard and /admin like KVGATE_ADMIN_KEY (the first start creates one).
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
-    # Limits (null: none). Requests and tokens per minute, concurrent requests, and a spend budget
-    # in USD per `budget_period_s` (null: for the key's whole life) counted from `budget_started_at`.
-    rpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    tpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    max_parallel: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    budget_usd: Mapped[float | None] = mapped_column(Float, nullable=True)
-    budget_period_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    budget_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class RequestLog(Base):

@@ -233,10 +233,9 @@ def two_replicas(fake_upstream: str) -> Iterator[tuple[Gateway, Gateway]]:
                 r.delete(name)
 
 
-def test_two_replicas_sharing_postgres_and_redis_hold_one_rpm(two_replicas: tuple[Gateway, Gateway]) -> None:
-    one, two = two_replicas
-    fresh_minute(30)
-    key = new_key(one, rpm=20)
+def alternate(one: Gateway, two: Gateway, key: str, requests: int) -> list[str]:
+    """Send `requests` requests of `key`, 8 at a time, alternating between two replicas: each one's
+    outcome, `ok0` / `ok1` (admitted by the first or second) or `429`."""
     clients = [client(one, key), client(two, key)]
     outcomes: list[str] = []
     lock = threading.Lock()
@@ -251,7 +250,14 @@ def test_two_replicas_sharing_postgres_and_redis_hold_one_rpm(two_replicas: tupl
             outcomes.append(result)
 
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(send, range(60)))
+        list(pool.map(send, range(requests)))
+    return outcomes
+
+
+def test_two_replicas_sharing_postgres_and_redis_hold_one_rpm(two_replicas: tuple[Gateway, Gateway]) -> None:
+    one, two = two_replicas
+    fresh_minute(30)
+    outcomes = alternate(one, two, new_key(one, rpm=20), 60)
     admitted = sum(o.startswith("ok") for o in outcomes)
     print(f"rpm 20 over two replicas: {admitted} of 60 admitted "
           f"({outcomes.count('ok0')} by one, {outcomes.count('ok1')} by the other)")

@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -28,7 +26,7 @@ from gateway.persistence.database import make_engine, make_sessionmaker, upgrade
 from gateway.persistence.keys import Principal
 from gateway.persistence.models import LimitCount, LimitLease
 from tests.conftest import Gateway, fresh_postgres_database, start_gateway
-from tests.limits.test_limits import ask, client, fresh_minute, new_key, settings
+from tests.limits.test_limits import alternate, ask, client, fresh_minute, new_key, settings
 
 
 @pytest.fixture
@@ -179,21 +177,7 @@ def test_two_replicas_sharing_postgres_without_redis_hold_one_rpm(replicas: tupl
     assert one.settings.limits.redis_url is None and one.settings.limits.store == "auto"
     fresh_minute(30)
     key = new_key(one, rpm=20)
-    clients = [client(one, key), client(two, key)]
-    outcomes: list[str] = []
-    lock = threading.Lock()
-
-    def send(i: int) -> None:
-        try:
-            ask(clients[i % 2])
-            result = f"ok{i % 2}"
-        except openai.RateLimitError:
-            result = "429"
-        with lock:
-            outcomes.append(result)
-
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(send, range(60)))
+    outcomes = alternate(one, two, key, 60)
     admitted = sum(o.startswith("ok") for o in outcomes)
     print(f"rpm 20 over two replicas on PostgreSQL, no Redis: {admitted} of 60 admitted")
     assert 18 <= admitted <= 22, outcomes  # counted in each replica's memory, 40 would pass
