@@ -6,7 +6,7 @@ later one reads the instructions' words (`input_tokens_details.cached_tokens`). 
 `fake_fault` = `slow:S` waits S seconds first. GET /control/state: request count, last body.
 
 Like OpenAI it keeps what it answered (`store` not false), under ids that name the server
-(`resp_<name>_<n>`), and answers 404 `previous_response_not_found` to a `previous_response_id`
+(`resp_<name>_<n>`), and answers 400 `previous_response_not_found` to a `previous_response_id`
 it does not hold: a follow-up sent to the wrong upstream fails as it would at a provider.
 """
 
@@ -70,7 +70,7 @@ def create_fake_responses(name: str = "fake") -> FastAPI:
             return Response(orjson.dumps({"error": {"message": f"Previous response with id {previous!r} not found.",
                                                     "type": "invalid_request_error", "param": "previous_response_id",
                                                     "code": "previous_response_not_found"}}),
-                            status_code=404, media_type="application/json")
+                            status_code=400, media_type="application/json")
         response_id = f"resp_{name}_{state['count']}"
         if body.get("store") is not False:
             held.add(response_id)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest
 from gateway.persistence.responses import Item, ResponseRecord, ResponseStore
 from gateway.schemas.responses_api import check_outputs_paired, input_items
 
@@ -93,7 +93,7 @@ class Conversations:
         self.store = store
 
     async def begin(self, tenant: str, body: dict[str, Any]) -> Turn:
-        """The request as a `Turn`; NotFound when its `previous_response_id` is not one of the
+        """The request as a `Turn`; 400 when its `previous_response_id` is not one of the
         tenant's unexpired stored responses."""
         # An upstream that speaks the API may take a request without input (a stored prompt).
         items = input_items(body["input"]) if body.get("input") not in (None, []) else []
@@ -102,8 +102,9 @@ class Conversations:
             return Turn(tenant, body, items, None)
         previous = await self.store.get(tenant, str(previous_id))
         if previous is None:
-            raise NotFound(f"Previous response with id {previous_id!r} not found.", param="previous_response_id",
-                           code="previous_response_not_found")
+            # 400, as OpenAI answers it (a GET of the same id is 404).
+            raise InvalidRequest(f"Previous response with id {previous_id!r} not found.",
+                                 param="previous_response_id", code="previous_response_not_found")
         if previous.upstream_response_id is None:  # kvgate holds the whole conversation: check it here
             check_outputs_paired(previous.items, items)
         return Turn(tenant, body, items, previous)

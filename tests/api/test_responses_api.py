@@ -118,7 +118,7 @@ def test_chat_and_responses_share_entries(gw: Gateway) -> None:
 
 
 def test_bad_requests_are_clear(gw: Gateway) -> None:
-    with pytest.raises(openai.NotFoundError) as stateful:  # tests/api/test_responses_stateful.py: known ids
+    with pytest.raises(openai.BadRequestError) as stateful:  # tests/api/test_responses_stateful.py: known ids
         create(gw, input="hi", previous_response_id="resp_123")
     assert stateful.value.body["param"] == "previous_response_id"
     assert stateful.value.body["code"] == "previous_response_not_found"

@@ -179,7 +179,7 @@ def test_get_delete_input_items_and_tenants(sgw: Gateway) -> None:
     other = sdk(sgw, new_key(sgw.database_url, "team-stateful-other"))
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(created.id)
-    with pytest.raises(openai.NotFoundError) as continued:
+    with pytest.raises(openai.BadRequestError) as continued:
         other.responses.create(model="fake-model", input="and then?", previous_response_id=created.id)
     assert continued.value.body["code"] == "previous_response_not_found"
     assert continued.value.body["param"] == "previous_response_id"
@@ -191,7 +191,7 @@ def test_get_delete_input_items_and_tenants(sgw: Gateway) -> None:
     assert deleted.json() == {"id": created.id, "object": "response", "deleted": True}
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(created.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):
         client.responses.create(model="fake-model", input="and then?", previous_response_id=created.id)
     assert httpx.delete(f"{sgw.v1}/responses/{created.id}", headers=headers).status_code == 404
 
@@ -259,7 +259,7 @@ def test_expired_answers_are_not_served_and_are_swept(sgw: Gateway) -> None:
     on_database(sgw.database_url, expire)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(created.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):
         client.responses.create(model="fake-model", input="too late", previous_response_id=created.id)
     swept, left = on_database(sgw.database_url, sweep)
     assert swept >= 1 and left == 0
@@ -308,7 +308,7 @@ def test_follow_ups_go_to_the_upstream_that_holds_the_conversation(ngw: Gateway,
         assert client.responses.retrieve(streamed.id).output_text == f"echo: streamed {n}"
 
     other = sdk(ngw, new_key(ngw.database_url, "team-stateful-native"))
-    with pytest.raises(openai.NotFoundError) as refused:
+    with pytest.raises(openai.BadRequestError) as refused:
         other.responses.create(model=NATIVE_MODEL, input="not yours", previous_response_id=firsts[0].id)
     assert refused.value.body["code"] == "previous_response_not_found"
 
