@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
-import anyio
 import orjson
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
@@ -24,7 +23,7 @@ from gateway.api.deps import AdmittedDep, PrincipalDep, ServicesDep
 from gateway.api.messages import speaks
 from gateway.api.openai import request_id
 from gateway.api.render import render
-from gateway.api.translate import translate_json, translate_stream
+from gateway.api.translate import close_source, translate_json, translate_stream
 from gateway.canonical.prompt_cache import with_prompt_cache_key
 from gateway.errors import GatewayError, InvalidField, NotFound
 from gateway.persistence.keys import Principal
@@ -93,10 +92,7 @@ def _kept(result: EventStream, translator: responses_api.ChatToResponsesStream, 
                         return
                 yield chunk
         finally:
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(source, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+            await close_source(source)
 
     return EventStream(events(), result.headers, result.finish)
 

@@ -53,9 +53,14 @@ def translate_stream(result: Result, translator: StreamTranslator,
                 if out:
                     yield b"".join(out)
         finally:
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(source, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+            await close_source(source)
 
     return EventStream(events(), result.headers, result.finish)
+
+
+async def close_source(source: object) -> None:
+    """Close a stream's upstream events, even when the client has gone (the scope is cancelled)."""
+    with anyio.CancelScope(shield=True):
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            await aclose()
