@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -130,12 +131,15 @@ def _key_matches(key_or_prefix: str) -> ColumnElement[bool]:
 
 
 async def list_keys(sessions: async_sessionmaker, tenant_name: str | None = None,
-                    prefix: str | None = None) -> list[KeyInfo]:
+                    prefix: str | None = None, prefixes: Collection[str] | None = None) -> list[KeyInfo]:
+    """Every key, or those of a tenant, of one prefix, or of any of `prefixes`."""
     query = select(ApiKey, Tenant).join(Tenant, ApiKey.tenant_id == Tenant.id).order_by(ApiKey.id)
     if tenant_name is not None:
         query = query.where(Tenant.name == tenant_name)
     if prefix is not None:
         query = query.where(ApiKey.key_prefix == prefix)
+    if prefixes is not None:
+        query = query.where(ApiKey.key_prefix.in_(list(prefixes)))
     async with sessions() as session:
         rows = (await session.execute(query)).all()
     return [KeyInfo(key.key_prefix, tenant.name, bool(key.is_admin), key.created_at, key.expires_at, bool(key.revoked),

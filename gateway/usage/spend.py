@@ -97,8 +97,8 @@ async def key_rows(sessions: async_sessionmaker, since: datetime, limit: int = 5
     totals: dict[str | None, SpendRow] = {}
     for row in await spend_by_day(sessions, "key", since):
         _add(totals.setdefault(row.group, SpendRow("", row.group, 0, 0, 0, 0, 0.0, 0.0)), row)
-    infos = {k.prefix: k for k in await list_keys(sessions)}
     top = sorted(totals.values(), key=lambda r: (r.cost_usd, r.requests), reverse=True)[:limit]
+    infos = {k.prefix: k for k in await list_keys(sessions, prefixes=[t.group for t in top if t.group])}
     rows = []
     for total in top:
         info = infos.get(total.group or "")
