@@ -1,0 +1,106 @@
+"""The one place that knows how vLLM lays a KV block out in its paged buffers.
+
+kvgate's tiers hold a block in one canonical shape, `[num_layers, 2, num_kv_heads, block_size,
+head_dim]` (K at index 0 of dim 1, V at 1: `gateway.kvcache.blocks.BlockLayout`), whatever the
+attention backend that computed it. So a block saved by a CPU server loads on a GPU server of the
+same model and dtype, and the rest of the connector never looks at a backend's layout.
+
+Two paged layouts are known:
+
+- CPU (`CPU_ATTN`, vLLM's "LBHNC"): each layer is `[num_blocks, heads, block_size, 2 * head_dim]`,
+  but the attention kernel reads it as `[num_blocks, heads, 2 * block_size, head_dim]` and takes K
+  from the first `block_size` rows of each head and V from the rest (cpu_attn.py,
+  `kv_cache.view(...).chunk(2, dim=2)`): a block is `[heads, 2, block_size, head_dim]`.
+- Flash/FlashInfer on GPU: each layer is `[2, num_blocks, block_size, heads, head_dim]`.
+
+Anything else is refused at start (`UnknownLayoutError`): the connector then saves and loads nothing
+and vLLM prefills as it would without it. Copies go through host memory, whole blocks at a time:
+`gather` reads blocks out of the paged buffers into one host tensor, `scatter` writes host blocks
+into the buffers (on the buffers' device).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gateway.kvcache.blocks import BlockLayout
+
+
+class UnknownLayoutError(ValueError):
+    """vLLM's KV buffers have a shape this adapter does not know how to read."""
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """vLLM's per-layer buffers in model order (`model.layers.7.self_attn.attn` sorts by 7)."""
+
+    def key(name: str) -> tuple[int, str]:
+        found = _LAYER_INDEX.search(name + ".")
+        return (int(found.group(1)) if found else -1, name)
+
+    return [kv_caches[name] for name in sorted(kv_caches, key=key)]
+
+
+@dataclass(slots=True)
+class PagedLayout:
+    """Reads and writes canonical blocks in vLLM's paged buffers of one kind (`kind`)."""
+
+    layers: list[torch.Tensor]
+    layout: BlockLayout
+    kind: str  # "cpu" or "flash"
+
+    @classmethod
+    def detect(cls, kv_caches: Mapping[str, torch.Tensor], layout: BlockLayout) -> PagedLayout:
+        layers = ordered_layers(kv_caches)
+        if len(layers) != layout.num_layers:
+            raise UnknownLayoutError(f"{len(layers)} KV buffers for a model of {layout.num_layers} layers")
+        h, b, d = layout.num_kv_heads, layout.block_size, layout.head_dim
+        first = layers[0]
+        if any(t.shape != first.shape or t.dtype != first.dtype for t in layers):
+            raise UnknownLayoutError("the layers' KV buffers differ in shape or dtype")
+        if first.dtype != layout.dtype:
+            raise UnknownLayoutError(f"KV buffers are {first.dtype}, expected {layout.dtype}")
+        if not all(t.is_contiguous() for t in layers):
+            raise UnknownLayoutError("KV buffers are not contiguous")
+        if first.dim() == 4 and tuple(first.shape[1:]) == (h, b, 2 * d):
+            return cls(layers, layout, "cpu")
+        if first.dim() == 5 and first.shape[0] == 2 and tuple(first.shape[2:]) == (b, h, d):
+            return cls(layers, layout, "flash")
+        raise UnknownLayoutError(f"KV buffer shape {tuple(first.shape)} is not a known paged layout "
+                                 f"(heads {h}, block size {b}, head dim {d})")
+
+    def _blocks_view(self, layer: torch.Tensor) -> torch.Tensor:
+        """`layer` as `[num_blocks, 2, heads, block_size, head_dim]` (a strided view, no copy)."""
+        h, b, d = self.layout.num_kv_heads, self.layout.block_size, self.layout.head_dim
+        if self.kind == "cpu":
+            return layer.view(layer.shape[0], h, 2, b, d).transpose(1, 2)
+        return layer.permute(1, 0, 3, 2, 4)  # [2, N, B, H, D] -> [N, 2, H, B, D]
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Blocks `block_ids` of every layer, as one host tensor `[n, num_layers, 2, heads, B, D]`."""
+        n = len(block_ids)
+        out = torch.empty((n, *self.layout.block_shape), dtype=self.layout.dtype, device="cpu")
+        if n == 0:
+            return out
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
+        for i, layer in enumerate(self.layers):
+            out[:, i].copy_(self._blocks_view(layer).index_select(0, index))
+        return out
+
+    def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write `blocks` (`[n, num_layers, 2, heads, B, D]`, any device) into blocks `block_ids`."""
+        if len(block_ids) != blocks.shape[0]:
+            raise ValueError(f"{blocks.shape[0]} blocks for {len(block_ids)} block ids")
+        if not block_ids:
+            return
+        device = self.layers[0].device
+        index = torch.tensor(block_ids, dtype=torch.long, device=device)
+        source = blocks.to(device, non_blocking=False)
+        for i, layer in enumerate(self.layers):
+            self._blocks_view(layer).index_copy_(0, index, source[:, i])

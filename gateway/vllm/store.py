@@ -1,0 +1,290 @@
+"""The connector's block store: kvgate's tiers as both of vLLM's processes see them.
+
+vLLM runs its scheduler and its worker in two processes (on CPU as on GPU). The scheduler asks
+which blocks the tiers hold; the worker writes and reads them. So every tier here is one that both
+processes see:
+
+- host: a directory in shared memory (`/dev/shm`), raw blocks with the codec's header and checksum.
+  It is DRAM, read at memcpy speed, and visible to the scheduler without a message from the worker;
+- disk: a local directory (lz4 "shrink" by default), survives restarts, can be shared by the
+  servers of one machine;
+- redis: Redis or Redis Cluster (zstd "shrink"), shared by the whole fleet.
+
+Only the worker writes, and only the worker evicts: it keeps an LRU index of what it wrote to each
+bounded tier (host, disk) and deletes the oldest past the byte budget. The scheduler's `Store` is
+built with `writer=False` and only asks `contains`. A block found damaged (checksum) is deleted and
+counts as absent; a tier that is down answers "absent" (the Redis tier backs off by itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gateway.kvcache.codec import build_codec
+from gateway.kvcache.errors import CorruptBlockError, KVCacheError
+from gateway.kvcache.keys import BlockHash
+from gateway.kvcache.settings import CodecName, KVCacheSettings
+from gateway.kvcache.tiers.base import Tier
+from gateway.kvcache.tiers.disk import DiskTier
+from gateway.kvcache.tiers.redis import RedisTier, redis_client_factory
+
+log = logging.getLogger(__name__)
+
+_OWNER = "owner.pid"
+
+
+@dataclass(slots=True)
+class TierCounters:
+    name: str
+    capacity_bytes: int | None
+    blocks: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)  # LRU, the worker's writes
+    used_bytes: int = 0
+    hits: int = 0
+    stores: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def host_dir(root: Path, instance: str) -> Path:
+    return root / f"kvgate-vllm-{instance}"
+
+
+def claim_host_dir(root: Path, instance: str) -> Path:
+    """The worker's shared-memory directory, emptied, with its pid inside; directories left by
+    workers that died (their pid is gone) are removed, since shared memory outlives a process."""
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob("kvgate-vllm-*"):
+        try:
+            pid = int((old / _OWNER).read_text())
+        except (OSError, ValueError):
+            pid = None
+        if pid is None or not _pid_alive(pid) or old.name == host_dir(root, instance).name:
+            shutil.rmtree(old, ignore_errors=True)
+    path = host_dir(root, instance)
+    path.mkdir(parents=True)
+    (path / _OWNER).write_text(str(os.getpid()))
+    return path
+
+
+class Store:
+    """Blocks by `BlockHash` over host, disk and Redis tiers, fastest first."""
+
+    def __init__(self, settings: KVCacheSettings, *, host_path: Path | None, writer: bool) -> None:
+        s = settings
+        self.writer = writer
+        self.tiers: list[tuple[Tier, TierCounters]] = []
+        if host_path is not None and s.host_capacity_bytes:
+            tier = DiskTier(host_path, build_codec(CodecName.RAW), fsync=False)
+            tier.name = "host"
+            self.tiers.append((tier, TierCounters("host", s.host_capacity_bytes)))
+        if s.disk_capacity_bytes:
+            tier = DiskTier(s.disk_dir, build_codec(s.disk_codec, zstd_level=s.zstd_level), fsync=s.disk_fsync)
+            counters = TierCounters("disk", s.disk_capacity_bytes)
+            if writer:
+                for h, size in tier.scan():  # oldest first: the LRU order survives a restart
+                    counters.blocks[h] = size
+                    counters.used_bytes += size
+            self.tiers.append((tier, counters))
+        if s.redis_url is not None:
+            make = redis_client_factory(s.redis_url, cluster=s.redis_cluster,
+                                        socket_timeout_s=s.redis_socket_timeout_s,
+                                        connect_timeout_s=s.redis_connect_timeout_s)
+            redis_tier = RedisTier(make, build_codec(s.redis_codec, zstd_level=s.zstd_level),
+                                   key_prefix=s.redis_key_prefix, ttl_s=s.redis_ttl_s,
+                                   backoff_s=s.redis_retry_backoff_s, backoff_max_s=s.redis_retry_backoff_max_s)
+            self.tiers.append((redis_tier, TierCounters("redis", None)))
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for _, c in self.tiers]
+
+    def held_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `hashes` some tier holds (one batched ask per tier)."""
+        if not hashes or not self.tiers:
+            return 0
+        held = [False] * len(hashes)
+        for tier, _ in self.tiers:
+            missing = [i for i, ok in enumerate(held) if not ok]
+            if not missing:
+                break
+            try:
+                found = tier.contains_many([hashes[i] for i in missing])
+            except (KVCacheError, OSError) as exc:
+                log.warning("kvgate connector: %s tier failed a lookup: %s", tier.name, exc)
+                continue
+            for i, ok in zip(missing, found, strict=True):
+                held[i] = held[i] or ok
+        n = 0
+        while n < len(held) and held[n]:
+            n += 1
+        return n
+
+    def fetch(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
+        """The leading blocks of `hashes` the tiers still hold, intact, in order; stops at the first
+        one that is gone or damaged. Blocks read from a slower tier are copied into the host tier."""
+        out: list[torch.Tensor | None] = [None] * len(hashes)
+        source: list[int] = [-1] * len(hashes)
+        for k, (tier, counters) in enumerate(self.tiers):
+            missing = [i for i, b in enumerate(out) if b is None]
+            if not missing:
+                break
+            try:
+                got = tier.get_many([hashes[i] for i in missing])
+            except (KVCacheError, OSError) as exc:
+                log.warning("kvgate connector: %s tier failed a read: %s", tier.name, exc)
+                continue
+            for i, block in zip(missing, got, strict=True):
+                if isinstance(block, CorruptBlockError):
+                    counters.corrupt += 1
+                    log.warning("kvgate connector: dropped a damaged block from the %s tier: %s", tier.name, block)
+                    with contextlib.suppress(KVCacheError, OSError):
+                        tier.delete(hashes[i])
+                    self._forget(counters, hashes[i])
+                elif block is not None:
+                    out[i] = block
+                    source[i] = k
+                    counters.hits += 1
+                    self._touch(counters, hashes[i])
+        blocks: list[torch.Tensor] = []
+        for block in out:
+            if block is None:
+                break
+            blocks.append(block)
+        if self.writer and self.tiers and self.tiers[0][1].name == "host":
+            promote = [(hashes[i], blocks[i]) for i in range(len(blocks)) if source[i] > 0]
+            if promote:
+                self._put_tier(0, promote)
+        return blocks
+
+    def put(self, items: Sequence[tuple[BlockHash, torch.Tensor]]) -> None:
+        """Write-through to every tier (the worker's writer thread calls this)."""
+        for k in range(len(self.tiers)):
+            self._put_tier(k, items)
+
+    def _put_tier(self, k: int, items: Sequence[tuple[BlockHash, torch.Tensor]]) -> None:
+        tier, counters = self.tiers[k]
+        for h, block in items:
+            with self._lock:
+                if h in counters.blocks:
+                    counters.blocks.move_to_end(h)
+                    continue
+            try:
+                size = tier.put(h, block)
+            except (KVCacheError, OSError) as exc:
+                log.warning("kvgate connector: %s tier failed a write: %s", tier.name, exc)
+                return
+            if size is None:
+                continue
+            counters.stores += 1
+            if counters.capacity_bytes is None:
+                continue
+            with self._lock:
+                counters.blocks[h] = size
+                counters.used_bytes += size
+                victims = []
+                while counters.used_bytes > counters.capacity_bytes and len(counters.blocks) > 1:
+                    victim, vsize = counters.blocks.popitem(last=False)
+                    counters.used_bytes -= vsize
+                    counters.evictions += 1
+                    victims.append(victim)
+            for victim in victims:
+                with contextlib.suppress(KVCacheError, OSError):
+                    tier.delete(victim)
+
+    def _touch(self, counters: TierCounters, h: BlockHash) -> None:
+        with self._lock:
+            if h in counters.blocks:
+                counters.blocks.move_to_end(h)
+
+    def _forget(self, counters: TierCounters, h: BlockHash) -> None:
+        with self._lock:
+            size = counters.blocks.pop(h, None)
+            if size is not None:
+                counters.used_bytes -= size
+
+    def stats(self) -> list[dict[str, object]]:
+        with self._lock:
+            return [{"tier": c.name, "up": t.available,
+                     "blocks": len(c.blocks) if c.capacity_bytes is not None else None,
+                     "used_bytes": c.used_bytes if c.capacity_bytes is not None else None,
+                     "capacity_bytes": c.capacity_bytes, "hits": c.hits, "stores": c.stores,
+                     "evictions": c.evictions, "corrupt": c.corrupt} for t, c in self.tiers]
+
+    def close(self) -> None:
+        for tier, _ in self.tiers:
+            with contextlib.suppress(Exception):
+                tier.close()
+
+
+class Writer:
+    """Saves off the forward path: the worker hands over host copies of new blocks, one thread
+    writes them to the tiers. Bounded in blocks; a save that does not fit is dropped and counted
+    (a dropped save costs a later prefill, a stalled forward pass costs every running request)."""
+
+    def __init__(self, store: Store, *, max_pending_blocks: int) -> None:
+        self.store = store
+        self.max_pending_blocks = max_pending_blocks
+        self.num_dropped_blocks = 0
+        self._queue: deque[tuple[list[BlockHash], torch.Tensor]] = deque()
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvgate-connector-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, hashes: list[BlockHash], blocks: torch.Tensor) -> bool:
+        with self._cond:
+            if self._pending + len(hashes) > self.max_pending_blocks:
+                self.num_dropped_blocks += len(hashes)
+                return False
+            self._queue.append((hashes, blocks))
+            self._pending += len(hashes)
+            self._cond.notify()
+        return True
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                hashes, blocks = self._queue[0]
+            try:
+                self.store.put([(h, blocks[i]) for i, h in enumerate(hashes)])
+            except Exception:  # a writer that dies would silently stop every later save
+                log.exception("kvgate connector: saving %d blocks failed", len(hashes))
+            with self._cond:
+                self._queue.popleft()
+                self._pending -= len(hashes)
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
