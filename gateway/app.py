@@ -40,6 +40,7 @@ from gateway.upstream.http import HttpBackend
 from gateway.upstream.router import Router
 from gateway.usage.accounting import Accountant, row_pricer
 from gateway.usage.cache_writes import CacheWriteTracker
+from gateway.vllm.fleet import VllmFleet
 
 if TYPE_CHECKING:
     from gateway.engine.service import Engine
@@ -72,12 +73,18 @@ async def build_router(settings: Settings) -> tuple[Router, Engine | None]:
         load_s = round(time.perf_counter() - started, 1)
         log.info("engine: ready in %.1f s", load_s, extra={"load_s": load_s})
     keeper = None
-    if settings.upstreams and settings.slots.enabled and any(u.kind != "openai" for u in settings.upstreams):
+    if settings.upstreams and settings.slots.enabled and any(u.kind in (None, "llama.cpp") for u in settings.upstreams):
         keeper = SlotKeeper(settings.slots, open_slot_store(settings.slots))
         for upstream, backend in zip(settings.upstreams, backends, strict=False):
             keeper.consider(backend, kind=upstream.kind, slot_dir=upstream.slot_dir, base_url=upstream.base_url)
         await keeper.probe()  # which upstreams are llama.cpp servers (their /props)
-    router = Router(backends, settings.routing, slots=keeper)
+    fleet = None
+    if any(u.kv_events for u in settings.upstreams):
+        fleet = VllmFleet()
+        for upstream, backend in zip(settings.upstreams, backends, strict=False):
+            fleet.consider(backend, upstream)
+        await fleet.probe()  # which upstreams are vLLM servers (their /v1/models): their events followed
+    router = Router(backends, settings.routing, slots=keeper, vllm=fleet)
     for upstream, backend in zip(settings.upstreams, backends, strict=False):
         if upstream.models:
             router.configure_models(backend, upstream.models)

@@ -237,6 +237,8 @@ class LiveCollector(Collector):
             yield from engine_kv_work_metrics(self.engine)
         if self.router is not None and self.router.slots is not None and self.router.slots.servers():
             yield from slot_metrics(self.router.slots)
+        if self.router is not None and self.router.vllm is not None:
+            yield from vllm_metrics(self.router)
         if self.gate is not None:
             refused = CounterMetricFamily("kvgate_limit_refusals", "Requests refused by a key's or tenant's limit "
                                           "(429), by kind: requests, tokens, parallel, budget", labels=["kind"])
@@ -267,6 +269,24 @@ def upstream_metrics(router: Router) -> Iterator[Metric]:
     yield up
     yield in_flight
     yield retries
+
+
+def vllm_metrics(router: Router) -> Iterator[Metric]:
+    """vLLM servers routed on their KV events (gateway/vllm): what each holds, and the requests sent
+    elsewhere than to the server holding most of their prefix."""
+    assert router.vllm is not None
+    yield CounterMetricFamily("kvgate_upstream_misrouted", "Requests sent to a vLLM server holding fewer of "
+                              "their prefix blocks than another one did (by the KV events, at the choice)",
+                              value=router.num_misrouted)
+    blocks = GaugeMetricFamily("kvgate_vllm_blocks", "KV blocks a vLLM server holds, by its KV events",
+                               labels=["upstream"])
+    batches = CounterMetricFamily("kvgate_vllm_event_batches", "KV-event batches read from a vLLM server "
+                                  "(live and replayed)", labels=["upstream"])
+    for server in router.vllm.servers():
+        blocks.add_metric([server.backend.name], len(server.blocks))
+        batches.add_metric([server.backend.name], server.subscriber.num_batches)
+    yield blocks
+    yield batches
 
 
 def slot_metrics(keeper: SlotKeeper) -> Iterator[Metric]:

@@ -79,7 +79,7 @@ class Proxy:
             salt = tenant_salt(call.principal.tenant)
             result, route = await self.router.call(
                 call.model, lambda b: b.post_json(call.path, call.body, salt=salt), blocks=prepared.blocks, salt=salt,
-                path=call.path,
+                path=call.path, prompt=call.body,
             )
             self.router.release(route)
         except GatewayError as exc:
@@ -193,7 +193,7 @@ class Proxy:
         salt = tenant_salt(call.principal.tenant)
         result, route = await self.router.call(
             call.model, lambda b: b.post_json(call.path, request, salt=salt), blocks=prepared.blocks, salt=salt,
-            path=call.path,
+            path=call.path, prompt=request,
         )
         self.router.release(route)
         usage, _ = self.accountant.finish(route.backend.name, call.model, result.body.get("usage"),

@@ -62,7 +62,7 @@ class StreamRun:
             return backend.post_stream(call.path, stream_body(call, backend), salt=salt)
 
         self._stream, self._route = await self._proxy.router.call(call.model, open_on, blocks=prepared.blocks,
-                                                                  salt=salt, path=call.path)
+                                                                  salt=salt, path=call.path, prompt=call.body)
         return EventStream(self._events(), self._headers(prepared), self.finish)
 
     def _headers(self, prepared: Prepared) -> dict[str, str]:

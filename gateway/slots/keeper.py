@@ -137,7 +137,7 @@ class SlotKeeper:
 
     def consider(self, backend: Backend, *, kind: str | None, slot_dir: str | None, base_url: str) -> None:
         """An upstream that is (kind "llama.cpp") or may be (kind unset) a llama.cpp server."""
-        if kind == "openai" or not self.settings.enabled:
+        if kind in ("openai", "vllm") or not self.settings.enabled:
             return
         self._candidates[backend.name] = Server(backend, server_root(base_url), Path(slot_dir) if slot_dir else None)
 

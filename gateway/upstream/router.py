@@ -35,6 +35,7 @@ from gateway.upstream.tries import NOT_IMPLEMENTED, Tries
 
 if TYPE_CHECKING:
     from gateway.slots.keeper import Pin, SlotKeeper
+    from gateway.vllm.fleet import VllmFleet
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,9 +54,13 @@ class Route:
 
 class Router:
     def __init__(self, backends: list[Backend], settings: RoutingSettings | None = None, *,
-                 rediscover_s: float = 5.0, slots: SlotKeeper | None = None) -> None:
+                 rediscover_s: float = 5.0, slots: SlotKeeper | None = None, vllm: VllmFleet | None = None) -> None:
         self.backends = backends
         self.slots = slots
+        self.vllm = vllm
+        # Requests sent to a vLLM server holding fewer of their prefix blocks than another one did,
+        # by the servers' KV events when the choice was made (load can be worth that; a stale index not).
+        self.num_misrouted = 0
         self.settings = settings or RoutingSettings()
         self.index = PrefixIndex(self.settings.index_blocks_per_upstream)
         self.health = {
@@ -125,12 +130,13 @@ class Router:
         return list(await self._candidates(model_id))
     # ------------------------------------------------------------------ choice
 
-    def order(self, serving: list[Backend], blocks: Sequence[PrefixBlock],
-              salt: str = "", prefer: str | None = None) -> list[tuple[Backend, int]]:
+    def order(self, serving: list[Backend], blocks: Sequence[PrefixBlock], salt: str = "",
+              prefer: str | None = None, held: dict[str, int] | None = None) -> list[tuple[Backend, int]]:
         """Backends to try, best first, each with the cached tokens it is expected to hold (for a
-        llama.cpp server: what one of its slots holds, as kvgate pinned it). `prefer` names the
-        backend that holds the request's conversation (a stored Responses answer): it comes first,
-        even with its circuit open, since no other can continue it."""
+        llama.cpp server: what one of its slots holds, as kvgate pinned it; for a vLLM server in
+        `held`: what its KV events say it holds). `prefer` names the backend that holds the
+        request's conversation (a stored Responses answer): it comes first, even with its circuit
+        open, since no other can continue it."""
         start = next(self._turn) % len(serving)
         rotated = serving[start:] + serving[:start]
         up = [b for b in rotated if self.health[b.name].available() or b.name == prefer] or rotated
@@ -139,6 +145,8 @@ class Router:
         if self.slots is not None:
             for b in up:
                 matched[b.name] = max(matched[b.name], self.slots.warm_blocks(b.name, blocks, salt) * tokens)
+        if held is not None and self.settings.route_on_kv_events:
+            matched.update({b.name: held[b.name] for b in up if b.name in held})
         strategy = self.settings.strategy
         if strategy == Strategy.ROUND_ROBIN:
             ranked = up
@@ -154,15 +162,18 @@ class Router:
 
     async def call(self, model_id: str, attempt: Callable[[Backend], Awaitable[T]],
                    blocks: Sequence[PrefixBlock] = (), salt: str = "", *,
-                   path: str | None = None, prefer: str | None = None) -> tuple[T, Route]:
+                   path: str | None = None, prefer: str | None = None,
+                   prompt: JSONObject | None = None) -> tuple[T, Route]:
         """Run `attempt` on the best backend for `model_id`. The caller must `release` the route
         when the request is over (for a stream: when the stream ends). On a llama.cpp server the
         request is pinned to a slot, restored from kvgate's tiers first where that helps. `path`, the
         route asked (`/embeddings`): an upstream that answered 501 on it is not asked again for a while.
-        `prefer`: the backend to try first (`order`)."""
+        `prefer`: the backend to try first (`order`). `prompt`: the request's body, which vLLM
+        servers that report their KV events tokenize to say how much of it they hold."""
         serving = await self._candidates(model_id)
+        held = await self._held(serving, path, prompt)
         tries = Tries(self.health)
-        for backend, matched in self.order(serving, blocks, salt, prefer):
+        for backend, matched in self.order(serving, blocks, salt, prefer, held):
             if (reason := self._unserved(backend.name, path)) is not None:
                 tries.not_served(backend.name, reason)
                 continue
@@ -199,12 +210,22 @@ class Router:
                     self._unpin(pin, backend, failed=False)
                     raise
                 tries.settle()
+                if held and held.get(backend.name, 0) < max(held.values()):
+                    self.num_misrouted += 1
                 if pin is not None:
                     matched = max(matched, pin.cached_blocks * self.settings.block_tokens)
                 return result, Route(backend, blocks, matched, pin)
             else:
                 self._unpin(pin, backend, failed=True)
         raise tries.error(model_id, path)
+
+    async def _held(self, serving: list[Backend], path: str | None, prompt: JSONObject | None) -> dict[str, int] | None:
+        """The prompt's tokens each vLLM server reporting its KV events holds (the least busy one up
+        tokenizes); None where unknown: the approximate index stands for it."""
+        if self.vllm is None or prompt is None:
+            return None
+        ranked = sorted(serving, key=lambda b: (not self.health[b.name].available(), self.health[b.name].in_flight))
+        return await self.vllm.held_tokens(ranked, path, prompt)
 
     def _unserved(self, upstream: str, path: str | None) -> str | None:
         """What `upstream` said when it answered 501 on `path`, while that is remembered."""
@@ -261,6 +282,8 @@ class Router:
                     self.index.forget(backend.name)
                     if self.slots is not None:
                         self.slots.forget(backend.name)
+                    if self.vllm is not None:
+                        self.vllm.forget(backend.name)
                 health.healthy = ok
 
     async def aclose(self) -> None:
@@ -270,4 +293,6 @@ class Router:
                 await self._checker
         if self.slots is not None:
             await self.slots.aclose()  # the saves in flight still need the backends' sessions
+        if self.vllm is not None:
+            await self.vllm.aclose()
         await asyncio.gather(*(b.aclose() for b in self.backends), return_exceptions=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 
 class Strategy(StrEnum):
@@ -29,6 +29,9 @@ class RoutingSettings(BaseModel):
     failure_threshold: int = Field(default=3, ge=1, description="Failures in a row that open the circuit.")
     cooldown_s: float = Field(default=10.0, gt=0, description="Seconds an open circuit waits before one probe.")
     connect_retries: int = Field(default=1, ge=0, description="Retries of a failed connect on the same upstream.")
+    route_on_kv_events: bool = Field(default=True, description="Route vLLM upstreams that publish KV events "
+                                     "(kv_events) on the blocks they report; false: follow the events only to "
+                                     "count misrouted requests, and route on the approximate index.")
     not_served_s: float = Field(default=300.0, ge=0, description="Seconds an upstream that answered 501 on a "
                                 "route (it does not serve it) is not asked on that route.")
 
@@ -56,9 +59,27 @@ class UpstreamSettings(BaseModel):
     prompt_cache_fields: bool = True
     # "llama.cpp": a llama.cpp server (`llama-server`): kvgate pins conversations to its slots and
     # keeps their KV in its tiers (gateway/slots). None: recognised from the server's /props.
-    kind: Literal["openai", "llama.cpp"] | None = None
+    # "vllm": a vLLM server; with `kv_events`, routed on the blocks it reports (gateway/vllm). None:
+    # recognised from its /v1/models (`owned_by: "vllm"`).
+    kind: Literal["openai", "llama.cpp", "vllm"] | None = None
     # The directory kvgate sees as this llama.cpp server's `--slot-save-path` (slot files pass there).
     slot_dir: str | None = None
+    # This vLLM server's KV-event publisher (its `--kv-events-config` "endpoint", as kvgate reaches it:
+    # tcp://HOST:PORT) and replay endpoint ("replay_endpoint": batches missed while disconnected).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+
+    @model_validator(mode="after")
+    def _events_of_vllm(self) -> UpstreamSettings:
+        if self.kv_events is not None and self.kind in ("openai", "llama.cpp"):
+            raise ValueError(f"kv_events is vLLM's KV-event endpoint; upstream {self.name!r} has kind {self.kind!r}")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError(f"upstream {self.name!r}: kv_events_replay needs kv_events")
+        for endpoint in (self.kv_events, self.kv_events_replay):
+            if endpoint is not None and "*" in endpoint:
+                raise ValueError(f"upstream {self.name!r}: {endpoint!r} is vLLM's bind address; give the "
+                                 "address kvgate connects to (tcp://HOST:PORT)")
+        return self
 
     @field_validator("base_url")
     @classmethod
