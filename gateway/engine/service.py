@@ -13,7 +13,7 @@ from gateway.engine.runner import ModelRunner
 from gateway.engine.scheduler import BatchScheduler, EngineWorker
 from gateway.engine.settings import EngineSettings
 from gateway.kvcache.blocks import BlockLayout
-from gateway.kvcache.factory import build_manager
+from gateway.kvcache.factory import build_manager, describe_tiers, tier_budgets
 from gateway.kvcache.manager import KVCacheManager
 from gateway.kvcache.prefetch import PrefetchPlanner
 from gateway.kvcache.settings import KVCacheSettings
@@ -66,9 +66,11 @@ def build_engine(settings: EngineSettings, kv_settings: KVCacheSettings) -> Engi
     recompute_s = runner.measure_recompute_s_per_token()
     if kv is not None:
         kv.recompute_s_per_token = recompute_s
+    budgets = tier_budgets(kv_settings) if kv is not None else {}
     log.info("engine: %s on %s (%s), %d KV bytes per token, prefill %.2f ms per token, KV tiers %s",
              loaded.model_id, loaded.device, str(loaded.dtype).removeprefix("torch."), loaded.kv_bytes_per_token,
-             recompute_s * 1000, kv.tier_names if kv else "off")
+             recompute_s * 1000, describe_tiers(budgets) if kv is not None else "off (KVGATE_KVCACHE__ENABLED=false)",
+             extra={"kv_tier_budgets_bytes": budgets})
     scheduler = BatchScheduler(runner, max_batch=settings.max_batch_sequences,
                                prefill_chunk_tokens=settings.prefill_chunk_tokens)
     planner = build_planner(kv, kv_settings, scheduler, writer)

@@ -17,19 +17,39 @@ from gateway.kvcache.tiers.metadata import MetadataTier
 from gateway.kvcache.tiers.redis import RedisTier, redis_client_factory
 
 
+def tier_budgets(settings: KVCacheSettings) -> dict[str, int | None]:
+    """The tiers these settings turn on, fastest first, and their byte budgets (None: Redis without
+    a budget of its own, left to its maxmemory); what `build_tiers` builds."""
+    s = settings
+    budgets = {"device": s.device_capacity_bytes, "host": s.host_capacity_bytes, "disk": s.disk_capacity_bytes}
+    tiers: dict[str, int | None] = {name: budget for name, budget in budgets.items() if budget}
+    if s.redis_url is not None:
+        tiers["redis"] = s.redis_capacity_bytes
+    return tiers
+
+
+def describe_tiers(budgets: dict[str, int | None]) -> str:
+    """One line for the start-up log: `device 512 MiB, host 2048 MiB, redis (Redis maxmemory)`."""
+    if not budgets:
+        return "none"
+    return ", ".join(f"{name} {budget // 2**20} MiB" if budget is not None else f"{name} (Redis maxmemory)"
+                     for name, budget in budgets.items())
+
+
 def build_tiers(settings: KVCacheSettings) -> list[tuple[Tier, int | None]]:
     """(tier, byte budget) fastest first; tiers with a zero budget or no URL are left out."""
     s = settings
+    budgets = tier_budgets(s)
     tiers: list[tuple[Tier, int | None]] = []
-    if s.device_capacity_bytes:
+    if "device" in budgets:
         if s.device_codec != CodecName.RAW:
             raise ValueError("the device tier stores tensors; device_codec must be raw")
-        tiers.append((DeviceTier(resolve_device(s.device), verify=s.device_verify), s.device_capacity_bytes))
-    if s.host_capacity_bytes:
-        tiers.append((HostTier(build_codec(s.host_codec, zstd_level=s.zstd_level)), s.host_capacity_bytes))
-    if s.disk_capacity_bytes:
+        tiers.append((DeviceTier(resolve_device(s.device), verify=s.device_verify), budgets["device"]))
+    if "host" in budgets:
+        tiers.append((HostTier(build_codec(s.host_codec, zstd_level=s.zstd_level)), budgets["host"]))
+    if "disk" in budgets:
         codec = build_codec(s.disk_codec, zstd_level=s.zstd_level)
-        tiers.append((DiskTier(s.disk_dir, codec, fsync=s.disk_fsync), s.disk_capacity_bytes))
+        tiers.append((DiskTier(s.disk_dir, codec, fsync=s.disk_fsync), budgets["disk"]))
     if s.redis_url is not None:
         make = redis_client_factory(
             s.redis_url, cluster=s.redis_cluster, socket_timeout_s=s.redis_socket_timeout_s,
@@ -39,7 +59,7 @@ def build_tiers(settings: KVCacheSettings) -> list[tuple[Tier, int | None]]:
             make, build_codec(s.redis_codec, zstd_level=s.zstd_level), key_prefix=s.redis_key_prefix,
             ttl_s=s.redis_ttl_s, backoff_s=s.redis_retry_backoff_s, backoff_max_s=s.redis_retry_backoff_max_s,
         )
-        tiers.append((tier, s.redis_capacity_bytes))
+        tiers.append((tier, budgets["redis"]))
     return tiers
 
 

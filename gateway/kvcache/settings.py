@@ -114,3 +114,10 @@ class KVCacheSettings(BaseModel):
     def _blank_is_unset(cls, value: object) -> object:
         # `KVGATE_KVCACHE__REDIS_URL=` in a .env file means "unset", not an empty URL.
         return None if value == "" else value
+
+    @field_validator("disk_capacity_bytes", mode="before")
+    @classmethod
+    def _blank_disk_is_off(cls, value: object) -> object:
+        # `.env.example` leaves it blank so that compose's `${...:-20 GB}` for the engines stands;
+        # the gateway containers read the same blank line from their env_file.
+        return 0 if value == "" else value
