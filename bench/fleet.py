@@ -201,7 +201,14 @@ def rotated_order(sessions: int, servers: int) -> Callable[[int], list[int]]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvgate bench fleet", description=__doc__,
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--engine", choices=("llama.cpp", "vllm"), default="llama.cpp")
+    known, rest = engine.parse_known_args(argv)
+    if known.engine == "vllm":
+        from bench.fleet_vllm import main as vllm_main
+
+        return vllm_main(rest)
+    parser = argparse.ArgumentParser(prog="kvgate bench fleet", description=__doc__, parents=[engine],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print {\"rows\": [...]} instead of a table")
     parser.add_argument("--llama-server", type=Path, help="the llama-server binary (else: " + WHERE + ")")

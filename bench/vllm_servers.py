@@ -118,9 +118,11 @@ class VllmServer:
 
 def start_server(name: str, *, python: Path, model: Path, root: Path, kv_transfer: dict[str, Any] | None = None,
                  events: bool = True, block_size: int = 32, num_blocks: int | None = None,
-                 kv_space_gib: int = 1, max_model_len: int = 4096, extra: tuple[str, ...] = ()) -> VllmServer:
+                 kv_space_gib: int = 1, max_model_len: int = 4096, dev_mode: bool = False,
+                 extra: tuple[str, ...] = ()) -> VllmServer:
     """Start one server (not waiting for it): events on, prefix caching on, cached tokens in usage.
-    `num_blocks` caps vLLM's KV memory (`--num-gpu-blocks-override`, a block of `block_size` tokens)."""
+    `num_blocks` caps vLLM's KV memory (`--num-gpu-blocks-override`, a block of `block_size` tokens);
+    `dev_mode` opens vLLM's `POST /reset_prefix_cache` (benchmarks empty vLLM's own cache with it)."""
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     port, events_port, replay_port = free_port(), free_port(), free_port()
@@ -139,6 +141,8 @@ def start_server(name: str, *, python: Path, model: Path, root: Path, kv_transfe
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     log_path = folder / "server.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

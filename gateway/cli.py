@@ -40,6 +40,7 @@ BENCHMARKS = {
     "embed": "bench.embed",
     "semantic-load": "bench.semantic_load",
     "fleet": "bench.fleet",
+    "vllm-load": "bench.vllm_load",
 }
 # Benchmarks of the built-in engine and its KV cache: they import torch (the `engine` extra).
 ENGINE_BENCHMARKS = {"codec", "kv-tiers", "kv-trace", "ttft", "concurrency", "engine", "cascade", "fuse"}

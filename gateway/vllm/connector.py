@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -156,11 +157,13 @@ class KvgateConnector(KVConnectorBase_V1):
                      self.layout.describe(), self.layout.dtype_name, ",".join(self.store.names))
         else:
             path = claim_host_dir(shm_root, instance) if self.settings.host_capacity_bytes else None
+            self._host_path = path
             self.store = Store(self.settings, host_path=path, writer=True)
             self.writer = Writer(self.store, max_pending_blocks=max(1, self.settings.write_behind_max_blocks))
             self.paged: PagedLayout | None = None
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvgate-connector-loader")
-            self._inflight: dict[str, tuple[Load, Future[list[torch.Tensor]]]] = {}
+            self._inflight: dict[str, tuple[Load, list[torch.Tensor], Future[list[torch.Tensor]]]] = {}
+            self._done: set[str] = set()
             self._load_errors: set[int] = set()
             self._lock = threading.Lock()
             self.num_loaded_blocks = 0
@@ -257,14 +260,21 @@ class KvgateConnector(KVConnectorBase_V1):
                  self.paged.kind, self.layout.num_layers, self.block_size, self.layout.block_nbytes >> 10)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Blocks in the host tier are copied in at once (a memcpy: the request is released at the
+        end of this step); the rest are read from disk or Redis by the loader thread while vLLM goes
+        on with other requests."""
         meta = self._connector_metadata
         if not isinstance(meta, KvgateMetadata):
             return
         for load in meta.loads:
             if self.paged is None:
-                self._inflight[load.req_id] = (load, _done([]))
+                self._finish(load, [])
                 continue
-            self._inflight[load.req_id] = (load, self._loader.submit(self.store.fetch, load.hashes))
+            near = self.store.fetch(load.hashes, host_only=True)
+            if len(near) == len(load.hashes) or len(self.store.tiers) <= int(self.store.has_host):
+                self._finish(load, near)
+                continue
+            self._inflight[load.req_id] = (load, near, self._loader.submit(self.store.fetch, load.hashes[len(near):]))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish before their request is scheduled (asynchronous loading)
@@ -284,29 +294,33 @@ class KvgateConnector(KVConnectorBase_V1):
             self.num_saved_blocks += len(hashes)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done: set[str] = set()
-        for req_id, (load, future) in list(self._inflight.items()):
+        for req_id, (load, near, future) in list(self._inflight.items()):
             if not future.done():
                 continue
             del self._inflight[req_id]
-            done.add(req_id)
             try:
-                blocks = future.result()
+                far = future.result()
             except Exception as exc:  # a tier that failed mid-read: prefill, never fail
                 log.warning("kvgate connector: loading %d blocks failed: %s", len(load.hashes), exc)
-                blocks = []
-            n = len(blocks)
-            if n and self.paged is not None:
-                try:
-                    self.paged.scatter(load.block_ids[:n], torch.stack(blocks))
-                except (RuntimeError, ValueError) as exc:
-                    log.warning("kvgate connector: blocks did not fit the paged buffers: %s", exc)
-                    n = 0
-            self.num_loaded_blocks += n
-            if n < len(load.block_ids):
-                with self._lock:
-                    self._load_errors.update(load.block_ids[n:])
+                far = []
+            self._finish(load, near + far)
+        done, self._done = self._done, set()
         return None, done or None
+
+    def _finish(self, load: Load, blocks: list[torch.Tensor]) -> None:
+        """Write the loaded blocks into vLLM's buffers; the ones missing are load errors (recomputed)."""
+        n = len(blocks)
+        if n and self.paged is not None:
+            try:
+                self.paged.scatter(load.block_ids[:n], torch.stack(blocks))
+            except (RuntimeError, ValueError) as exc:
+                log.warning("kvgate connector: blocks did not fit the paged buffers: %s", exc)
+                n = 0
+        self.num_loaded_blocks += n
+        if n < len(load.block_ids):
+            with self._lock:
+                self._load_errors.update(load.block_ids[n:])
+        self._done.add(load.req_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -318,10 +332,6 @@ class KvgateConnector(KVConnectorBase_V1):
             self.writer.flush(timeout_s=10)
             self.writer.close()
             self._loader.shutdown(wait=False, cancel_futures=True)
+            if self._host_path is not None:  # shared memory outlives the process: hand it back
+                shutil.rmtree(self._host_path, ignore_errors=True)
         self.store.close()
-
-
-def _done(value: list[torch.Tensor]) -> Future[list[torch.Tensor]]:
-    future: Future[list[torch.Tensor]] = Future()
-    future.set_result(value)
-    return future

@@ -140,12 +140,18 @@ class Store:
             n += 1
         return n
 
-    def fetch(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
+    @property
+    def has_host(self) -> bool:
+        return bool(self.tiers) and self.tiers[0][1].name == "host"
+
+    def fetch(self, hashes: Sequence[BlockHash], *, host_only: bool = False) -> list[torch.Tensor]:
         """The leading blocks of `hashes` the tiers still hold, intact, in order; stops at the first
-        one that is gone or damaged. Blocks read from a slower tier are copied into the host tier."""
+        one that is gone or damaged. Blocks read from a slower tier are copied into the host tier.
+        `host_only`: ask the host tier alone (a memcpy away, no network, no decompression)."""
         out: list[torch.Tensor | None] = [None] * len(hashes)
         source: list[int] = [-1] * len(hashes)
-        for k, (tier, counters) in enumerate(self.tiers):
+        tiers = self.tiers[:1] if host_only and self.has_host else [] if host_only else self.tiers
+        for k, (tier, counters) in enumerate(tiers):
             missing = [i for i, b in enumerate(out) if b is None]
             if not missing:
                 break
@@ -171,7 +177,7 @@ class Store:
             if block is None:
                 break
             blocks.append(block)
-        if self.writer and self.tiers and self.tiers[0][1].name == "host":
+        if self.writer and self.has_host:
             promote = [(hashes[i], blocks[i]) for i in range(len(blocks)) if source[i] > 0]
             if promote:
                 self._put_tier(0, promote)
