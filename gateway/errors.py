@@ -128,6 +128,8 @@ class RateLimited(GatewayError):
     status_code = 429
     error_type = "rate_limit_error"
     code = "rate_limit_exceeded"
+    # The limit that refused it, when kvgate's own (gateway/limits): requests, tokens, parallel, budget.
+    reason: str | None = None
 
 
 class ServiceUnavailable(GatewayError):

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import secrets
+import time
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from gateway.api.auth import authenticate
-from gateway.errors import PermissionDenied
+from gateway.errors import AuthenticationFailed, GatewayError, PermissionDenied, RateLimited
 from gateway.limits.asgi import SLOT
 from gateway.observability.metrics import Metrics
 from gateway.persistence.keys import Principal
+from gateway.persistence.request_log import RefusalReason
+from gateway.pipeline.call import Route
+from gateway.pipeline.record import refusal_row
 from gateway.services import Services
 
 
@@ -40,13 +45,31 @@ async def require_admin(request: Request) -> None:
             "`kvgate serve` printed at first start, a new one from `kvgate keys create --admin`, or KVGATE_ADMIN_KEY")
 
 
+async def authenticated(request: Request) -> Principal:
+    """The principal of an API request; a refused key is a request-log row (refusal `auth`), so
+    that the operator sees it where every other request is counted."""
+    started = time.perf_counter()
+    try:
+        return await authenticate(request)
+    except AuthenticationFailed as exc:
+        log_refusal(request, exc, RefusalReason.AUTH, None, started)
+        raise
+
+
 async def admitted(request: Request) -> Principal:
     """The principal of a generation request, past its key's and tenant's limits (gateway/limits):
-    429 when over one; else its lease is left where LeaseMiddleware releases it after the response."""
-    principal = await authenticate(request)
+    429 when over one (logged, as a refused key is); else its lease is left where LeaseMiddleware
+    releases it after the response."""
+    principal = await authenticated(request)
     gate = request.app.state.services.gate
     if gate is not None:
-        lease = await gate.admit(principal, request.headers.get("x-request-id", ""))
+        started = time.perf_counter()
+        try:
+            lease = await gate.admit(principal, request.headers.get("x-request-id", ""))
+        except RateLimited as exc:
+            if exc.reason is not None:
+                log_refusal(request, exc, RefusalReason(exc.reason), principal, started)
+            raise
         if lease is not None and (slot := request.scope.get(SLOT)) is not None:
             slot["lease"], slot["gate"] = lease, gate
         elif lease is not None:  # no middleware to release it (an app without it): release now
@@ -54,8 +77,23 @@ async def admitted(request: Request) -> Principal:
     return principal
 
 
+# The request log's `route` of a refused request: the API it came in on, named as the pipeline names
+# it, else its route's template (`models/{model_id:path}`): a few values, as metric labels need.
+_ROUTES = {"/v1/chat/completions": Route.CHAT, "/v1/completions": Route.COMPLETIONS,
+           "/v1/embeddings": Route.EMBEDDINGS, "/v1/messages": Route.MESSAGES, "/v1/responses": Route.RESPONSES}
+
+
+def log_refusal(request: Request, error: GatewayError, reason: RefusalReason, principal: Principal | None,
+                started: float) -> None:
+    template = getattr(request.scope.get("route"), "path", None) or "-"
+    route = _ROUTES.get(template) or template.removeprefix("/v1/")
+    request_id = request.headers.get("x-request-id") or secrets.token_hex(12)
+    services: Services = request.app.state.services
+    services.request_log.record(refusal_row(request_id, route, error, reason, principal, started))
+
+
 ServicesDep = Annotated[Services, Depends(get_services)]
-PrincipalDep = Annotated[Principal, Depends(authenticate)]
+PrincipalDep = Annotated[Principal, Depends(authenticated)]
 # Generation routes: authenticated and admitted by the limits.
 AdmittedDep = Annotated[Principal, Depends(admitted)]
 AdminDep = Annotated[None, Depends(require_admin)]

@@ -148,6 +148,7 @@ _WHAT = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)",
 
 
 def refusal_error(refusal: Refusal, now: float) -> RateLimited:
+    """The 429 of `refusal`; its `reason` (the limit's kind) goes to the request log."""
     scope = refusal.scope
     if refusal.kind == "budget":
         start, end = scope.limits.budget_window(now)
@@ -159,12 +160,14 @@ def refusal_error(refusal: Refusal, now: float) -> RateLimited:
             "gateway's administrator.")
         # A retry cannot help before the period ends: the openai SDK reads this and does not retry.
         error.headers = {"x-should-retry": "false"}
+        error.reason = refusal.kind
         return error
     retry_s = 1.0 if refusal.kind == "parallel" else minute_window(now)[1]
     error = RateLimited(
         f"Rate limit reached for {scope.label} on {_WHAT[refusal.kind]}: Limit {refusal.limit:g}, "
         f"Used {refusal.used:g}, Requested 1. Please try again in {format_reset(retry_s)}.")
     error.error_type = refusal.kind if refusal.kind != "parallel" else "requests"
+    error.reason = refusal.kind
     error.headers = {"retry-after": str(math.ceil(retry_s)), "retry-after-ms": str(math.ceil(retry_s * 1000))}
     if refusal.kind in ("requests", "tokens"):
         unit = refusal.kind

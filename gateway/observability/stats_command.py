@@ -99,7 +99,8 @@ def render_text(summary: dict[str, Any], since: str) -> str:
     lines = [
         f"kvgate stats, last {since} ({summary['since']} .. {summary['now']})",
         "",
-        f"requests            {o['requests']} ({o['requests_per_second']:.3f}/s), {o['errors']} errors",
+        f"requests            {o['requests']} ({o['requests_per_second']:.3f}/s), {o['errors']} errors, "
+        f"{refused_text(o)}",
         f"exact hit rate      {_pct(o['exact_hit_rate'])} of {o['response_cache_lookups']} response-cache lookups",
         f"semantic hit rate   {_pct(o['semantic_hit_rate'])}; skipped busy {_pct(o['semantic_busy_rate'])} "
         f"({o['semantic_busy']} misses forwarded unjudged: the semantic CPU budget, "
@@ -117,15 +118,21 @@ def render_text(summary: dict[str, Any], since: str) -> str:
     ]
     if summary.get("truncated"):
         lines.append("(only the newest rows were read; raise KVGATE_OBSERVABILITY__SUMMARY_MAX_ROWS for all)")
-    headers = ["requests", "errors", "exact", "semantic", "prefix", "efficiency", "TTFT p50"]
+    headers = ["requests", "errors", "refused", "exact", "semantic", "prefix", "efficiency", "TTFT p50"]
     for title, key in (("tenant", "tenants"), ("model", "models")):
-        rows = [[str(g[title]), str(g["requests"]), str(g["errors"]), _pct(g["exact_hit_rate"]),
+        rows = [[str(g[title]), str(g["requests"]), str(g["errors"]), str(g["refused"]), _pct(g["exact_hit_rate"]),
                  _pct(g["semantic_hit_rate"]), _pct(g["prefix_hit_rate"]), _pct(g["cache_efficiency"]),
                  _ms(g["ttft_ms"]["uncached"]["p50"])] for g in summary[key]]
         lines += ["", *_table([title, *headers], rows)]
     if spend := summary.get("spend"):
         lines += spend_lines(spend)
     return "\n".join(lines)
+
+
+def refused_text(group: dict[str, Any]) -> str:
+    """`3 refused (auth 1, requests 2)`: requests refused for their key, a limit or a budget, by reason."""
+    reasons = ", ".join(f"{reason} {n}" for reason, n in group["refused_by_reason"].items())
+    return f"{group['refused']} refused" + (f" ({reasons})" if reasons else "")
 
 
 def spend_lines(spend: dict[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ PostgreSQL). Nothing returned names a key or holds prompt text: the log has neit
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -45,6 +45,7 @@ class Row:
     semantic_skipped: str | None = None
     semantic_stage: str | None = None
     cost_usd: float | None = None  # at the prices in force when it was logged (null: not priced)
+    refusal: str | None = None  # why the gateway refused it (auth, requests, tokens, parallel, budget)
 
     @property
     def condensed_tokens(self) -> int:
@@ -87,7 +88,7 @@ async def load_rows(sessions: async_sessionmaker, since: datetime, max_rows: int
     query = (
         select(t.created_at, t.tenant, t.model, t.route, t.status, t.prompt_tokens, t.completion_tokens,
                t.cached_tokens, t.cache_creation_tokens, t.ttfb_ms, t.total_ms, t.cache, t.condensed_from_tokens,
-               t.semantic_skipped, t.semantic_stage, t.cost_usd)
+               t.semantic_skipped, t.semantic_stage, t.cost_usd, t.refusal)
         .where(t.created_at >= since)
         .order_by(t.created_at.desc())
         .limit(max_rows)
@@ -105,7 +106,7 @@ async def load_rows(sessions: async_sessionmaker, since: datetime, max_rows: int
                 creation = 0 if r.cache in HITS else max(prompt - cached, 0)
             rows.append(Row(created, r.tenant, r.model, r.route, r.status, prompt, r.completion_tokens or 0,
                             cached, creation, r.ttfb_ms, r.total_ms, r.cache, r.condensed_from_tokens,
-                            r.semantic_skipped, r.semantic_stage, r.cost_usd))
+                            r.semantic_skipped, r.semantic_stage, r.cost_usd, r.refusal))
     rows.reverse()
     return rows
 
@@ -167,9 +168,13 @@ def _group(rows: list[Row], price_for: PriceFor) -> dict[str, Any]:
     saved_condensing = sum(r.condensed_tokens * p.input for r in ok if (p := prices[r.model]) is not None)
     ttft_hit = [r.ttfb_ms for r in ok if r.hit and r.ttfb_ms is not None]
     ttft_miss = [r.ttfb_ms for r in ok if not r.hit and r.ttfb_ms is not None]
+    refused = Counter(r.refusal for r in rows if r.refusal is not None)
     return {
         "requests": len(rows),
-        "errors": len(rows) - len(ok),
+        # Failed after the gateway admitted them; refused ones (their key, a limit, a budget) apart.
+        "errors": len(rows) - len(ok) - refused.total(),
+        "refused": refused.total(),
+        "refused_by_reason": dict(sorted(refused.items())),
         "response_cache_lookups": len(lookups),
         "exact_hit_rate": _ratio(exact, len(lookups)),
         "semantic_hit_rate": _ratio(semantic, len(lookups)),

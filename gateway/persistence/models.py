@@ -105,6 +105,9 @@ class RequestLog(Base):
     # null when its model is not priced. A response-cache hit costs 0.
     cost_usd: Mapped[float | None] = mapped_column(Float)
     saved_usd: Mapped[float | None] = mapped_column(Float)
+    # Why the gateway refused the request before any upstream saw it (request_log.RefusalReason: auth,
+    # requests, tokens, parallel, budget); null for a request it admitted.
+    refusal: Mapped[str | None] = mapped_column(String(16))
 
 
 class ResponseCacheEntry(Base):

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import String, insert
@@ -27,6 +28,16 @@ from gateway.persistence.database import describe_db_error
 from gateway.persistence.models import RequestLog
 
 log = logging.getLogger(__name__)
+
+
+class RefusalReason(StrEnum):
+    """Why the gateway refused a request before any upstream saw it (the log's `refusal` column)."""
+
+    AUTH = "auth"          # 401: no key, or one the gateway does not know
+    REQUESTS = "requests"  # 429: a key's or tenant's requests per minute (gateway/limits)
+    TOKENS = "tokens"      # 429: its tokens per minute
+    PARALLEL = "parallel"  # 429: its concurrent requests
+    BUDGET = "budget"      # 429 insufficient_quota: its budget is spent
 
 
 @dataclass(slots=True)
@@ -52,6 +63,7 @@ class RequestRecord:
     key_prefix: str | None = None
     cost_usd: float | None = None  # set by the writer's `price` (usage/accounting.py: price_row)
     saved_usd: float | None = None
+    refusal: RefusalReason | None = None
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 

@@ -6,7 +6,8 @@ import time
 from typing import Any
 
 from gateway.errors import GatewayError
-from gateway.persistence.request_log import RequestRecord
+from gateway.persistence.keys import Principal
+from gateway.persistence.request_log import RefusalReason, RequestRecord
 from gateway.pipeline.call import Call
 from gateway.pipeline.condense import condensed_from
 from gateway.responsecache.lookup import Lookup
@@ -42,6 +43,27 @@ def request_row(call: Call, started: float, *, status: int, upstream: str | None
         semantic_skipped=semantic_skipped,
         semantic_stage=semantic_stage,
         key_prefix=call.principal.key_prefix,
+    )
+
+
+# The tenant of a row refused for its key: there is none to name.
+UNAUTHENTICATED = "(unauthenticated)"
+
+
+def refusal_row(request_id: str, route: str, error: GatewayError, reason: RefusalReason,
+                principal: Principal | None, started: float) -> RequestRecord:
+    """The row of a request refused before any upstream (its key, a limit, a budget); `principal`
+    is None when its key was the reason. Its time is the refusal's own, from `started`."""
+    return RequestRecord(
+        request_id=request_id,
+        tenant=principal.tenant if principal is not None else UNAUTHENTICATED,
+        route=route,
+        model=None,
+        status=error.status_code,
+        total_ms=(time.perf_counter() - started) * 1000,
+        error_type=error.code or error.error_type,
+        key_prefix=principal.key_prefix if principal is not None else None,
+        refusal=reason,
     )
 
 

@@ -40,7 +40,8 @@ class SpendRow:
 
 async def spend_by_day(sessions: async_sessionmaker, by: GroupBy, since: datetime,
                        tenant: str | None = None) -> list[SpendRow]:
-    """One row per day and group since `since`, newest day first, biggest spender first."""
+    """One row per day and group since `since`, newest day first, biggest spender first; requests the
+    gateway refused (their key, a limit, a budget) spent nothing and are not counted."""
     column = _COLUMNS[by]
     # date() is SQLite's and PostgreSQL's (UTC there: the gateway's sessions run in UTC).
     day = func.date(RequestLog.created_at, type_=String)
@@ -48,7 +49,7 @@ async def spend_by_day(sessions: async_sessionmaker, by: GroupBy, since: datetim
     query = (select(day, column, func.count(), hits, func.sum(RequestLog.prompt_tokens),
                     func.sum(RequestLog.completion_tokens), func.sum(RequestLog.cost_usd),
                     func.sum(RequestLog.saved_usd))
-             .where(RequestLog.created_at >= since).group_by(day, column))
+             .where(RequestLog.created_at >= since, RequestLog.refusal.is_(None)).group_by(day, column))
     if tenant is not None:
         query = query.where(RequestLog.tenant == tenant)
     async with sessions() as session:

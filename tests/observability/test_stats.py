@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from gateway.observability.settings import ObservabilitySettings
+from gateway.observability.stats_command import render_text
 from gateway.observability.summary import Row, parse_duration, percentile, summarize
 from gateway.usage.settings import Price
 from tests.conftest import Gateway, fresh_postgres_database
@@ -76,6 +77,23 @@ def test_summary_arithmetic() -> None:
     assert o["ttft_ms"]["uncached"] == {"p50": 50, "p95": 100}
     assert [t["tenant"] for t in s["tenants"]] == ["t1", "t2"]
     assert sum(p["rps"] for p in s["series"]["points"]) * s["series"]["step_s"] == pytest.approx(5)
+
+
+def test_refused_requests_are_counted_by_reason_apart_from_errors() -> None:
+    now = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    since = now - timedelta(minutes=10)
+    rows = [row(since + timedelta(minutes=1), cache="miss"),
+            row(since + timedelta(minutes=2), cache=None, status=502, prompt=0)]
+    for i, (status, reason) in enumerate([(429, "requests"), (429, "budget"), (401, "auth"), (429, "requests")]):
+        refused = row(since + timedelta(minutes=3 + i), cache=None, status=status, prompt=0)
+        refused.refusal = reason
+        rows.append(refused)
+    o = summarize(rows, since, now, ObservabilitySettings(), lambda model: None)["overview"]
+    assert o["requests"] == 6 and o["errors"] == 1 and o["refused"] == 4
+    assert o["refused_by_reason"] == {"auth": 1, "budget": 1, "requests": 2}
+    s = summarize(rows, since, now, ObservabilitySettings(), lambda model: None)
+    text = render_text(s, "10m")
+    assert "6 (0.010/s), 1 errors, 4 refused (auth 1, budget 1, requests 2)" in text
 
 
 def test_durations_and_percentiles() -> None:

@@ -131,6 +131,7 @@ function tiles(o, writes, responseCache) {
   const saved = sum(o.cost_saved_usd.response_cache, o.cost_saved_usd.kv_cache);
   const items = [
     ["Requests / s", num(o.requests_per_second), num(o.requests) + " requests, " + num(o.errors) + " errors"],
+    ["Refused", num(o.refused), refusedHint(o)],
     ["Exact hit rate", pct(o.exact_hit_rate), num(o.response_cache_lookups) + " lookups"],
     ["Semantic hit rate", pct(o.semantic_hit_rate), ""],
     ["Semantic skipped busy", responseCache && responseCache.semantic ? pct(o.semantic_busy_rate) : "–",
@@ -167,6 +168,12 @@ function tiles(o, writes, responseCache) {
   }
 }
 
+// Requests refused before any upstream, by reason: their key (auth), a limit (requests, tokens, parallel), a budget.
+function refusedHint(o) {
+  const reasons = Object.entries(o.refused_by_reason || {}).map(([reason, n]) => reason + " " + num(n));
+  return reasons.length ? reasons.join(", ") : "for their key, a limit or a budget";
+}
+
 // Lookups forwarded unjudged because the semantic cache's CPU budget was spent, and what to change.
 function busyHint(o, responseCache) {
   if (!responseCache || !responseCache.semantic) return "the semantic cache is off";
@@ -201,6 +208,7 @@ function budget(b) {
 const GROUP_COLUMNS = [
   ["requests", (r) => num(r.requests)],
   ["errors", (r) => num(r.errors)],
+  ["refused", (r) => num(r.refused)],
   ["exact hits", (r) => pct(r.exact_hit_rate)],
   ["semantic hits", (r) => pct(r.semantic_hit_rate)],
   ["prefix hits", (r) => pct(r.prefix_hit_rate)],
