@@ -129,7 +129,7 @@ def start_server(name: str, *, python: Path, model: Path, root: Path, kv_transfe
     args = [str(python), "-m", "gateway.vllm.serve", "serve", str(model), "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--dtype", "bfloat16", "--block-size", str(block_size), "--enable-prefix-caching",
-            "--enable-prompt-tokens-details", "--disable-log-stats", *extra]
+            "--enable-prompt-tokens-details", *extra]
     if num_blocks is not None:
         args += ["--num-gpu-blocks-override", str(num_blocks)]
     if events:

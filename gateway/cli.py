@@ -16,35 +16,9 @@ from gateway.observability.logging import configure_logging
 from gateway.observability.tracing import tracing_problem
 from gateway.persistence.location import DatabaseLocation
 from gateway.settings import Settings, parse_upstream_flag
-from gateway.shipped import bench_summary, bench_tree
+from gateway.shipped import BENCHMARKS, ENGINE_BENCHMARKS, EVALS, bench_summary, bench_tree
 from gateway.upstream.backend import MAX_TOKENS_DEFAULT_HEADER
 from gateway.upstream.settings import with_upstream
-
-BENCHMARKS = {
-    "overhead": "bench.overhead",
-    "codec": "bench.codec",
-    "kv-tiers": "bench.kv_tiers",
-    "kv-trace": "bench.kv_trace",
-    "ttft": "bench.ttft",
-    "concurrency": "bench.concurrency",
-    "engine": "bench.engine",
-    "prefix-stability": "bench.prefix_stability",
-    "routing": "bench.routing",
-    "cache-latency": "bench.cache_latency",
-    "cache-scale": "bench.cache_scale",
-    "singleflight": "bench.singleflight",
-    "agent-session": "bench.agent_session",
-    "reliability": "bench.reliability",
-    "cascade": "bench.cascade",
-    "fuse": "bench.fuse",
-    "embed": "bench.embed",
-    "semantic-load": "bench.semantic_load",
-    "fleet": "bench.fleet",
-    "vllm-load": "bench.vllm_load",
-}
-# Benchmarks of the built-in engine and its KV cache: they import torch (the `engine` extra).
-ENGINE_BENCHMARKS = {"codec", "kv-tiers", "kv-trace", "ttft", "concurrency", "engine", "cascade", "fuse"}
-EVALS = {"semantic": "bench.semantic_eval"}
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:

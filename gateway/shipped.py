@@ -1,5 +1,6 @@
 """Trees kvgate reads at run time that live beside gateway/ in a checkout and inside it when
-installed (setup.py maps them): alembic's migrations and the benchmark tree.
+installed (setup.py maps them): alembic's migrations and the benchmark tree (and which benchmark
+each `kvgate bench NAME` runs).
 
 The checkout's top-level `migrations/` and `bench/` are the source of truth; a wheel (or a
 non-editable `pip install .`) carries copies under `gateway/_migrations` and `gateway/_bench_tree`.
@@ -15,6 +16,33 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
 CHECKOUT = PACKAGE.parent
+
+# `kvgate bench NAME` and `kvgate eval NAME`: the module of the benchmark tree each runs.
+BENCHMARKS = {
+    "overhead": "bench.overhead",
+    "codec": "bench.codec",
+    "kv-tiers": "bench.kv_tiers",
+    "kv-trace": "bench.kv_trace",
+    "ttft": "bench.ttft",
+    "concurrency": "bench.concurrency",
+    "engine": "bench.engine",
+    "prefix-stability": "bench.prefix_stability",
+    "routing": "bench.routing",
+    "cache-latency": "bench.cache_latency",
+    "cache-scale": "bench.cache_scale",
+    "singleflight": "bench.singleflight",
+    "agent-session": "bench.agent_session",
+    "reliability": "bench.reliability",
+    "cascade": "bench.cascade",
+    "fuse": "bench.fuse",
+    "embed": "bench.embed",
+    "semantic-load": "bench.semantic_load",
+    "fleet": "bench.fleet",
+    "vllm-load": "bench.vllm_load",
+}
+# Benchmarks of the built-in engine and its KV cache: they import torch (the `engine` extra).
+ENGINE_BENCHMARKS = {"codec", "kv-tiers", "kv-trace", "ttft", "concurrency", "engine", "cascade", "fuse"}
+EVALS = {"semantic": "bench.semantic_eval"}
 
 
 def migrations_dir() -> Path:

@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,12 +119,14 @@ class Store:
     def names(self) -> list[str]:
         return [c.name for _, c in self.tiers]
 
-    def held_prefix(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of `hashes` some tier holds (one batched ask per tier)."""
-        if not hashes or not self.tiers:
+    def held_prefix(self, hashes: Sequence[BlockHash], *, host_only: bool = False) -> int:
+        """How many leading blocks of `hashes` some tier holds (one batched ask per tier);
+        `host_only`: the host tier alone."""
+        tiers = self._tiers(host_only)
+        if not hashes or not tiers:
             return 0
         held = [False] * len(hashes)
-        for tier, _ in self.tiers:
+        for tier, _ in tiers:
             missing = [i for i, ok in enumerate(held) if not ok]
             if not missing:
                 break
@@ -148,10 +150,34 @@ class Store:
         """The leading blocks of `hashes` the tiers still hold, intact, in order; stops at the first
         one that is gone or damaged. Blocks read from a slower tier are copied into the host tier.
         `host_only`: ask the host tier alone (a memcpy away, no network, no decompression)."""
+        blocks, source = self._fetch(hashes, range(int(self.has_host) if host_only else len(self.tiers)))
+        if self.writer and self.has_host:
+            promote = [(hashes[i], blocks[i]) for i in range(len(blocks)) if source[i] > 0]
+            if promote:
+                self._put_tier(0, promote)
+        return blocks
+
+    def stage(self, hashes: Sequence[BlockHash]) -> int:
+        """Read the leading blocks of `hashes` from the slower tiers, checked, into the host tier
+        (the scheduler's staging); how many made it. The worker indexes them when it loads them."""
+        if not self.has_host:
+            return 0
+        blocks, _ = self._fetch(hashes, range(1, len(self.tiers)))
+        host = self.tiers[0][0]
+        for h, block in zip(hashes, blocks, strict=False):
+            try:
+                host.put(h, block)
+            except (KVCacheError, OSError) as exc:
+                log.warning("kvgate connector: staging into the host tier failed: %s", exc)
+                return 0
+        return len(blocks)
+
+    def _fetch(self, hashes: Sequence[BlockHash], tier_indexes: range) -> tuple[list[torch.Tensor], list[int]]:
+        """The leading blocks found in tiers `tier_indexes` (fastest first), and the tier of each."""
         out: list[torch.Tensor | None] = [None] * len(hashes)
         source: list[int] = [-1] * len(hashes)
-        tiers = self.tiers[:1] if host_only and self.has_host else [] if host_only else self.tiers
-        for k, (tier, counters) in enumerate(tiers):
+        for k in tier_indexes:
+            tier, counters = self.tiers[k]
             missing = [i for i, b in enumerate(out) if b is None]
             if not missing:
                 break
@@ -171,17 +197,18 @@ class Store:
                     out[i] = block
                     source[i] = k
                     counters.hits += 1
-                    self._touch(counters, hashes[i])
+                    self._touch(k, hashes[i])
         blocks: list[torch.Tensor] = []
         for block in out:
             if block is None:
                 break
             blocks.append(block)
-        if self.writer and self.has_host:
-            promote = [(hashes[i], blocks[i]) for i in range(len(blocks)) if source[i] > 0]
-            if promote:
-                self._put_tier(0, promote)
-        return blocks
+        return blocks, source
+
+    def _tiers(self, host_only: bool) -> list[tuple[Tier, TierCounters]]:
+        if not host_only:
+            return self.tiers
+        return self.tiers[:1] if self.has_host else []
 
     def put(self, items: Sequence[tuple[BlockHash, torch.Tensor]]) -> None:
         """Write-through to every tier (the worker's writer thread calls this)."""
@@ -203,25 +230,39 @@ class Store:
             if size is None:
                 continue
             counters.stores += 1
-            if counters.capacity_bytes is None:
-                continue
-            with self._lock:
-                counters.blocks[h] = size
-                counters.used_bytes += size
-                victims = []
-                while counters.used_bytes > counters.capacity_bytes and len(counters.blocks) > 1:
-                    victim, vsize = counters.blocks.popitem(last=False)
-                    counters.used_bytes -= vsize
-                    counters.evictions += 1
-                    victims.append(victim)
-            for victim in victims:
-                with contextlib.suppress(KVCacheError, OSError):
-                    tier.delete(victim)
+            self._index(k, h, size)
 
-    def _touch(self, counters: TierCounters, h: BlockHash) -> None:
+    def _index(self, k: int, h: BlockHash, size: int) -> None:
+        """Count `h` in tier k's budget (the worker's bounded tiers) and evict the oldest past it."""
+        tier, counters = self.tiers[k]
+        if counters.capacity_bytes is None or not self.writer:
+            return
+        with self._lock:
+            if h in counters.blocks:
+                return
+            counters.blocks[h] = size
+            counters.used_bytes += size
+            victims = []
+            while counters.used_bytes > counters.capacity_bytes and len(counters.blocks) > 1:
+                victim, vsize = counters.blocks.popitem(last=False)
+                counters.used_bytes -= vsize
+                counters.evictions += 1
+                victims.append(victim)
+        for victim in victims:
+            with contextlib.suppress(KVCacheError, OSError):
+                tier.delete(victim)
+
+    def _touch(self, k: int, h: BlockHash) -> None:
+        """A hit: most recently used. A host block the worker did not write (staged by the
+        scheduler) joins its budget here."""
+        tier, counters = self.tiers[k]
         with self._lock:
             if h in counters.blocks:
                 counters.blocks.move_to_end(h)
+                return
+        if self.writer and counters.capacity_bytes is not None and isinstance(tier, DiskTier):
+            with contextlib.suppress(OSError):
+                self._index(k, h, tier.path_of(h).stat().st_size)
 
     def _forget(self, counters: TierCounters, h: BlockHash) -> None:
         with self._lock:
@@ -241,56 +282,3 @@ class Store:
         for tier, _ in self.tiers:
             with contextlib.suppress(Exception):
                 tier.close()
-
-
-class Writer:
-    """Saves off the forward path: the worker hands over host copies of new blocks, one thread
-    writes them to the tiers. Bounded in blocks; a save that does not fit is dropped and counted
-    (a dropped save costs a later prefill, a stalled forward pass costs every running request)."""
-
-    def __init__(self, store: Store, *, max_pending_blocks: int) -> None:
-        self.store = store
-        self.max_pending_blocks = max_pending_blocks
-        self.num_dropped_blocks = 0
-        self._queue: deque[tuple[list[BlockHash], torch.Tensor]] = deque()
-        self._pending = 0
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvgate-connector-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, hashes: list[BlockHash], blocks: torch.Tensor) -> bool:
-        with self._cond:
-            if self._pending + len(hashes) > self.max_pending_blocks:
-                self.num_dropped_blocks += len(hashes)
-                return False
-            self._queue.append((hashes, blocks))
-            self._pending += len(hashes)
-            self._cond.notify()
-        return True
-
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending == 0, timeout=timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
-                if not self._queue:
-                    return
-                hashes, blocks = self._queue[0]
-            try:
-                self.store.put([(h, blocks[i]) for i, h in enumerate(hashes)])
-            except Exception:  # a writer that dies would silently stop every later save
-                log.exception("kvgate connector: saving %d blocks failed", len(hashes))
-            with self._cond:
-                self._queue.popleft()
-                self._pending -= len(hashes)
-                self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout=30)

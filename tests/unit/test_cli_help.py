@@ -76,7 +76,7 @@ def test_benchmarks_that_import_the_engine_are_marked() -> None:
     extra instead of printing a ModuleNotFoundError."""
     import ast
 
-    from gateway.cli import BENCHMARKS, ENGINE_BENCHMARKS
+    from gateway.shipped import BENCHMARKS, ENGINE_BENCHMARKS
 
     root = Path(__file__).resolve().parents[2]
     engine_roots = ("torch", "transformers", "gateway.engine", "gateway.kvcache")
@@ -152,7 +152,7 @@ def test_bench_help_lists_each_benchmark_with_a_line(capsys: pytest.CaptureFixtu
     import subprocess
     import sys
 
-    from gateway.cli import BENCHMARKS
+    from gateway.shipped import BENCHMARKS
 
     assert main(["bench", "--help"]) == 0
     rows = {line.split()[0]: line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()

@@ -13,7 +13,8 @@ from gateway.kvcache.blocks import BlockLayout
 from gateway.kvcache.keys import ChainKeyer
 from gateway.kvcache.settings import KVCacheSettings
 from gateway.vllm.layout import PagedLayout, UnknownLayoutError, ordered_layers
-from gateway.vllm.store import Store, Writer, claim_host_dir
+from gateway.vllm.store import Store, claim_host_dir
+from gateway.vllm.writer import Writer
 
 LAYOUT = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.bfloat16)
 NUM_BLOCKS = 10
@@ -145,3 +146,27 @@ def test_redis_shares_blocks_between_two_servers_and_a_down_redis_is_a_miss(tmp_
     assert three.held_prefix(hashes) == 0
     assert three.fetch(hashes) == []
     three.put([(hashes[0], blocks[0])])  # a write to a down tier is dropped, not raised
+
+
+def test_the_scheduler_stages_checked_blocks_into_the_host_tier(tmp_path: Path) -> None:
+    prefix = f"kvgate:test:{uuid.uuid4().hex}:"
+    settings = KVCacheSettings(host_capacity_bytes=1 << 20, redis_url="redis://127.0.0.1:6379/0",
+                               redis_key_prefix=prefix)
+    elsewhere = Store(settings, host_path=claim_host_dir(tmp_path / "other", "o"), writer=True)
+    hashes, blocks = _keys(4), _blocks(4)
+    elsewhere.put([(h, blocks[i]) for i, h in enumerate(hashes)])
+    redis_tier = elsewhere.tiers[1][0]
+    damaged = bytearray(redis_tier._call(lambda c: c.get(redis_tier.key(hashes[2]))))  # type: ignore[attr-defined]
+    damaged[100] ^= 0xFF
+    redis_tier._call(lambda c: c.set(redis_tier.key(hashes[2]), bytes(damaged)))  # type: ignore[attr-defined]
+
+    host = claim_host_dir(tmp_path / "here", "h")
+    scheduler = Store(settings, host_path=host, writer=False)
+    worker = Store(settings, host_path=host, writer=True)
+    assert scheduler.held_prefix(hashes, host_only=True) == 0
+    assert scheduler.held_prefix(hashes) == 4  # Redis says it holds all four
+    assert scheduler.stage(hashes) == 2  # read and checked: the third is damaged, the chain stops there
+    assert scheduler.held_prefix(hashes, host_only=True) == 2  # what gets promised
+    got = worker.fetch(hashes, host_only=True)
+    assert len(got) == 2 and torch.equal(got[1], blocks[1])
+    assert worker.stats()[0]["blocks"] == 2  # the worker took the staged blocks into its host budget
