@@ -62,7 +62,7 @@ def example_connector_config(path: Path) -> dict[str, Any]:
 class VllmServer:
     name: str
     port: int
-    events_port: int
+    events_path: Path
     replay_port: int
     process: subprocess.Popen[bytes]
     log_path: Path
@@ -79,7 +79,7 @@ class VllmServer:
 
     @property
     def kv_events(self) -> str:
-        return f"tcp://127.0.0.1:{self.events_port}"
+        return f"ipc://{self.events_path}"
 
     @property
     def kv_events_replay(self) -> str:
@@ -125,7 +125,9 @@ def start_server(name: str, *, python: Path, model: Path, root: Path, kv_transfe
     `dev_mode` opens vLLM's `POST /reset_prefix_cache` (benchmarks empty vLLM's own cache with it)."""
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
-    port, events_port, replay_port = free_port(), free_port(), free_port()
+    # vLLM binds its events endpoint only when it holds `*` or is `ipc://` (a tcp://HOST:PORT makes it
+    # connect out); an ipc socket in the server's folder binds and stays on this machine.
+    port, replay_port, events_path = free_port(), free_port(), folder / "kv-events"
     args = [str(python), "-m", "gateway.vllm.serve", "serve", str(model), "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--dtype", "bfloat16", "--block-size", str(block_size), "--enable-prefix-caching",
@@ -135,7 +137,7 @@ def start_server(name: str, *, python: Path, model: Path, root: Path, kv_transfe
     if events:
         args += ["--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
-            "endpoint": f"tcp://127.0.0.1:{events_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})]
+            "endpoint": f"ipc://{events_path}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})]
     if kv_transfer is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -147,7 +149,7 @@ def start_server(name: str, *, python: Path, model: Path, root: Path, kv_transfe
     with log_path.open("wb") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                    start_new_session=True)
-    return VllmServer(name, port, events_port, replay_port, process, log_path, args, env)
+    return VllmServer(name, port, events_path, replay_port, process, log_path, args, env)
 
 
 def start_servers(count: int, *, python: Path, model: Path, root: Path, **kwargs: Any) -> list[VllmServer]:
