@@ -5,6 +5,7 @@ real vLLM servers)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.errors import UpstreamConnectError
 from gateway.upstream.backend import Backend, JSONObject, UpstreamJSON
 from gateway.upstream.router import Router
 from gateway.upstream.settings import RoutingSettings, UpstreamSettings
@@ -30,8 +32,11 @@ class Server:
     name: str
     session: aiohttp.ClientSession
     supports_stream_usage: bool = True
+    down: bool = False
 
     async def list_models(self) -> list[JSONObject]:
+        if self.down:
+            raise UpstreamConnectError(f"{self.name} refused")
         return [{"id": "m", "object": "model", "owned_by": "vllm", "max_model_len": 2048}]
 
     async def post_json(self, path: str, body: JSONObject, *, salt: str = "", **_: Any) -> UpstreamJSON:
@@ -122,6 +127,22 @@ async def test_routing_on_events_can_be_turned_off_and_still_counts(fleet: Any) 
     served = [await send(router) for _ in range(3)]
     assert sorted(served) == ["a", "b", "c"]
     assert router.num_misrouted == 2
+
+
+async def test_a_server_failing_its_health_check_is_forgotten(fleet: Any) -> None:
+    """It may have restarted: a restarted vLLM holds nothing."""
+    router, vllm = fleet
+    router.settings = RoutingSettings(health_interval_s=0.02)
+    hold(vllm, "a", 5)
+    hold(vllm, "b", 5)
+    next(b for b in router.backends if b.name == "a").down = True
+    router.start_health_checks()
+    for _ in range(200):
+        if not router.health["a"].healthy:
+            break
+        await asyncio.sleep(0.01)
+    held = {s.backend.name: len(s.blocks) for s in vllm.servers()}
+    assert held == {"a": 0, "b": 5, "c": 0}
 
 
 def test_tokenize_requests_carry_what_the_template_reads() -> None:
