@@ -5,13 +5,11 @@ two servers take 1-3 minutes to start and about 5 GB of memory each."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 import pytest
@@ -23,9 +21,9 @@ from gateway.upstream.router import Route, Router
 from gateway.upstream.settings import UpstreamSettings
 from gateway.vllm.blocks import prompt_chain
 from tests.conftest import ADMIN_SECRET, new_key
-from tests.servers import free_port, serve_in_thread
+from tests.servers import serve_in_thread
 
-SMALL_KV_BLOCKS = 40  # 1,280 tokens: three other prompts of ~420 tokens evict a conversation
+SMALL_KV_BLOCKS = 40  # 1,280 tokens: three other prompts of ~500 tokens (15 blocks) evict a conversation
 
 
 class Server(Protocol):
@@ -44,41 +42,8 @@ class Server(Protocol):
     def kv_events_replay(self) -> str: ...
 
 
-@dataclass
-class Followed:
-    """A vLLM server and where kvgate reads its events."""
-
-    server: VllmServer
-    kv_events: str
-    kv_events_replay: str
-
-    @property
-    def name(self) -> str:
-        return self.server.name
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    @property
-    def base_url(self) -> str:
-        return self.server.base_url
-
-
-def start_followed(name: str, python: Path, root: Path, **options: Any) -> Followed:
-    """A server whose PUB socket binds where kvgate can connect: vLLM binds an endpoint with `*` or
-    an `ipc://` one and *connects* any other (tcp://127.0.0.1:PORT would wait for a subscriber that
-    binds). An ipc socket stays on this machine; the replay ROUTER always binds."""
-    events, replay = f"ipc://{root}/{name}-events", f"tcp://127.0.0.1:{free_port()}"
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events", "endpoint": events,
-              "replay_endpoint": replay}
-    server = start_server(name, python=python, model=model_folder(), root=root, events=False,
-                          extra=("--kv-events-config", json.dumps(config)), **options)
-    return Followed(server, events, replay)
-
-
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Followed, Followed]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
     """(small, large): the same model, one with a KV of 40 blocks, both publishing KV events."""
     if not os.environ.get("KVGATE_VLLM_PYTHON"):
         pytest.skip(f"KVGATE_VLLM_PYTHON is unset: {WHERE}")
@@ -86,19 +51,20 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Followed
     if python is None:
         pytest.skip(f"KVGATE_VLLM_PYTHON={os.environ['KVGATE_VLLM_PYTHON']} is not a file: {WHERE}")
     root = tmp_path_factory.mktemp("vllm")
-    small = start_followed("small", python, root, num_blocks=SMALL_KV_BLOCKS, max_model_len=1024)
-    large = start_followed("large", python, root, max_model_len=1024)
+    small = start_server("small", python=python, model=model_folder(), root=root, num_blocks=SMALL_KV_BLOCKS,
+                         max_model_len=1024)
+    large = start_server("large", python=python, model=model_folder(), root=root, max_model_len=1024)
     try:
-        wait_ready(small.server)
-        wait_ready(large.server)
+        wait_ready(small)
+        wait_ready(large)
         yield small, large
     finally:
-        small.server.stop()
-        large.server.stop()
+        small.stop()
+        large.stop()
 
 
 def topic(name: str, num_facts: int = 28) -> str:
-    """A system prompt of about 420 tokens that no other topic shares a block with."""
+    """A system prompt of about 480 tokens that no other topic shares a block with."""
     return " ".join(f"{name} fact {i}: the {name} value number {i} is {i * 37 % 101}." for i in range(num_facts))
 
 
@@ -120,7 +86,7 @@ def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> 
 
 def routes_follow_events(small: Server, large: Server, tmp_path: Path) -> None:
     """The scenario, on any two vLLM servers of one model publishing events (`small` with a KV
-    small enough that three ~420-token prompts evict a fourth)."""
+    small enough that three ~500-token prompts evict a fourth)."""
     model = httpx.get(small.base_url + "/models", timeout=10).json()["data"][0]["id"]
     upstreams = [UpstreamSettings(name=s.name, base_url=s.base_url, kv_events=s.kv_events,
                                   kv_events_replay=s.kv_events_replay) for s in (small, large)]  # kind: recognised
@@ -173,7 +139,7 @@ def routes_follow_events(small: Server, large: Server, tmp_path: Path) -> None:
         assert served == "small"
         assert cached >= 10 * 32
 
-        for other in ("beta", "gamma", "delta"):  # 3 x ~14 blocks through a KV of 40: alpha is evicted
+        for other in ("beta", "gamma", "delta"):  # 3 x 15 blocks through a KV of 40: alpha is evicted
             direct(small, conversation(other, "Hello?"))
         until(lambda: held_blocks(small, returning) == 0, "the small server's removals reach the index")
         direct(large, first)
@@ -185,7 +151,7 @@ def routes_follow_events(small: Server, large: Server, tmp_path: Path) -> None:
         assert router.num_misrouted == 0
 
 
-def test_routing_follows_the_events_through_evictions(servers: tuple[Followed, Followed],
+def test_routing_follows_the_events_through_evictions(servers: tuple[VllmServer, VllmServer],
                                                       tmp_path: Path) -> None:
     routes_follow_events(*servers, tmp_path)
 
