@@ -19,7 +19,7 @@ from starlette.responses import Response
 from gateway.api.deps import AdminDep, MetricsDep, ServicesDep, require_admin
 from gateway.api.responses import json_response
 from gateway.errors import InvalidField, NotFound
-from gateway.observability.kv_tiers import remote_tier_rows, slot_tier_rows, tier_rows
+from gateway.observability.kv_tiers import remote_tier_rows, slot_tier_rows, tier_rows, vllm_tier_rows
 from gateway.observability.metrics import Metrics
 from gateway.observability.summary import build_summary, parse_duration
 from gateway.usage.spend import key_rows
@@ -66,7 +66,7 @@ async def dashboard_summary(services: ServicesDep, metrics: MetricsDep, _: Admin
         raise InvalidField(str(exc), param="since") from exc
     summary = await build_summary(services.sessions, window, metrics.settings, metrics.price_for)
     summary["kv_tiers"] = ((kv_tiers(metrics) or await remote_tier_rows(metrics.live.router))
-                           + await slot_tier_rows(metrics.live.router))
+                           + await slot_tier_rows(metrics.live.router) + await vllm_tier_rows(metrics.live.router))
     summary["upstreams"] = upstreams(metrics)
     summary["prefix_breaks"] = [
         {"time": b.created_at, "reason": b.reason, "tenant": b.tenant, "model": b.model, "block_index": b.block_index}

@@ -35,6 +35,7 @@ from bench.vllm_servers import (
 )
 from gateway.kvcache.blocks import BlockLayout
 from gateway.kvcache.keys import ChainKeyer
+from gateway.observability.kv_tiers import connector_rows
 
 PYTHON = find_vllm_python()
 pytestmark = pytest.mark.skipif(PYTHON is None, reason=f"no vLLM: {WHERE}")
@@ -149,6 +150,14 @@ def test_a_block_saved_by_one_server_is_loaded_by_another(fleet: tuple[list[Vllm
     again, _, loaded = ask(two, messages)
     assert again == answer
     assert loaded >= (prompt_tokens - 1) // BLOCK * BLOCK  # every full block but the last token's
+    # The connector's tiers on vLLM's /metrics, as the gateway's dashboard reads them.
+    deadline = time.monotonic() + 30
+    rows: list[dict[str, object]] = []
+    while time.monotonic() < deadline and not any(r.get("num_blocks") for r in rows):
+        rows = connector_rows("two", httpx.get(two.url + "/metrics", timeout=10).text)
+        time.sleep(0.5)
+    host = next(r for r in rows if r["name"] == "two: host")
+    assert int(host["num_blocks"]) >= loaded // BLOCK and int(host["used_bytes"]) > 0  # type: ignore[call-overload]
 
 
 def test_a_damaged_block_is_prefilled_never_served(fleet: tuple[list[VllmServer], RedisProcess]) -> None:
