@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,14 @@ def warm_reference(servers: list[VllmServer], args: argparse.Namespace) -> float
     return p50
 
 
+def shuffled(args: argparse.Namespace) -> Callable[[int], list[int]] | None:
+    """`--order shuffled`: each turn's sessions in another random order (the same in every mode), so
+    that some sessions come back while a server still holds them and routing decides hits."""
+    if args.order != "shuffled":
+        return None
+    return lambda t: random.Random(1000 + t).sample(range(args.sessions), args.sessions)
+
+
 def run_mode(mode: str, servers: list[VllmServer], args: argparse.Namespace, root: Path,
              warm_p50: float | None) -> dict[str, Any]:
     n = len(servers)
@@ -103,15 +112,16 @@ def run_mode(mode: str, servers: list[VllmServer], args: argparse.Namespace, roo
     moving = mode.startswith("moving")
     if mode == "direct":
         urls = [s.url for s in servers]
-        run = run_traffic(lambda s, t, p: urls[p % n], MODEL_NAME, **traffic)
+        run = run_traffic(lambda s, t, p: urls[p % n], MODEL_NAME, order=shuffled(args), **traffic)
     else:
         strategy = "round_robin" if moving else "prefix"
         with kvgate(servers, strategy=strategy, on_events=mode != "prefix", workdir=root) as (url, router):
-            order = rotated_order(args.sessions, n) if moving else None
+            order = rotated_order(args.sessions, n) if moving else shuffled(args)
             run = run_traffic(lambda s, t, p: url, MODEL_NAME, order=order, **traffic)
             misrouted = None if moving else router.num_misrouted
     return {**row(mode, moving, run, args, warm_p50), "requests": len(run.turns), "misrouted": misrouted,
-            "slots_per_server": None, "block_size": args.block_size, "num_blocks": args.num_blocks}
+            "slots_per_server": None, "block_size": args.block_size, "num_blocks": args.num_blocks,
+            "order": args.order}
 
 
 def main(argv: list[str]) -> int:
@@ -123,12 +133,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=32, help="vLLM's block size (a multiple of 32 on CPU)")
     parser.add_argument("--num-blocks", type=int, default=280,
-                        help="KV blocks per server (default: 8,960 tokens, a third of 24 sessions' prompts over 2)")
+                        help="KV blocks per server (default: 8,960 tokens, under a quarter of 24 sessions' "
+                             "final prompts, about 37,000 tokens)")
     parser.add_argument("--sessions", type=int, default=24)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1000, help="system prompt per session (about)")
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
+    parser.add_argument("--order", choices=("rounds", "shuffled"), default="rounds",
+                        help="rounds: every session's turn t before any turn t+1, in session order (each "
+                             "session returns after all the others); shuffled: each round in a random order")
     parser.add_argument("--warm-sessions", type=int, default=6, help="sessions of the warm-cache reference run")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the connector's shared tier")
     parser.add_argument("--host-mib", type=int, default=2048, help="the connector's host tier per server, MiB")

@@ -215,5 +215,23 @@ class BlobCodec:
         return torch.from_numpy(values.view(_SIGNED[width])).view(dtype).reshape(shape)
 
 
+def raw_header(shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+    """The header the raw codec writes before a tensor of `shape` and `dtype` (its bytes follow
+    as they are, then `checksum_of` header and bytes): lets a tier write a blob from memory it does
+    not own, or read one into such memory, without a copy in between."""
+    width = torch.empty((), dtype=dtype).element_size()
+    nbytes = int(np.prod(shape, dtype=np.int64)) * width
+    head = struct.pack("<4sBBBB", MAGIC, VERSION, _CODER_RAW, _DTYPE_CODES[dtype], len(shape))
+    return head + struct.pack(f"<{len(shape)}Q", *shape) + struct.pack("<B", 1) + struct.pack("<BI", 0, nbytes)
+
+
+def checksum_of(parts: list[bytes | memoryview]) -> bytes:
+    """The trailer of a blob whose header and body are `parts`."""
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    return struct.pack("<Q", digest.intdigest())
+
+
 def build_codec(name: CodecName, *, zstd_level: int = 1) -> BlobCodec:
     return BlobCodec(name, zstd_level=zstd_level)

@@ -53,10 +53,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from gateway.kvcache.blocks import BlockLayout
 from gateway.kvcache.keys import ChainKeyer
 from gateway.kvcache.settings import KVCacheSettings
-from gateway.vllm.layout import UnknownLayoutError
+from gateway.vllm.host import claim_host_dir, host_dir
+from gateway.vllm.layout import UnknownLayoutError, describe
 from gateway.vllm.scheduler_side import KvgateMetadata, SchedulerSide
 from gateway.vllm.stats import KvgatePromMetrics, KvgateStats
-from gateway.vllm.store import Store, claim_host_dir, host_dir
+from gateway.vllm.store import Store
 from gateway.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class KvgateConnector(KVConnectorBase_V1):
         names = vllm_config.model_config.served_model_name
         model_id = str(extra.get("model_id") or (names[0] if isinstance(names, list) else names)
                        or vllm_config.model_config.model)
-        keyer = ChainKeyer(layout.block_size, settings.hash_seed, model_id, layout.dtype_name, layout.describe())
+        keyer = ChainKeyer(layout.block_size, settings.hash_seed, model_id, layout.dtype_name, describe(layout))
         shm_root = Path(str(extra.get("shm_dir") or "/dev/shm"))
         instance = str(transfer.engine_id)
         self.scheduler: SchedulerSide | None = None
@@ -113,7 +114,7 @@ class KvgateConnector(KVConnectorBase_V1):
                          "loaded is prefilled, the request never fails for it)")
             store = Store(settings, host_path=host_dir(shm_root, instance), writer=False)
             self.scheduler = SchedulerSide(store, keyer)
-            log.info("kvgate connector (scheduler): model %s, layout %s %s, tiers %s", model_id, layout.describe(),
+            log.info("kvgate connector (scheduler): model %s, layout %s %s, tiers %s", model_id, describe(layout),
                      layout.dtype_name, ",".join(store.names))
         else:
             path = claim_host_dir(shm_root, instance) if settings.host_capacity_bytes else None

@@ -1,17 +1,21 @@
 """The one place that knows how vLLM lays a KV block out in its paged buffers.
 
-kvgate's tiers hold a block in one canonical shape, `[num_layers, 2, num_kv_heads, block_size,
-head_dim]` (K at index 0 of dim 1, V at 1: `gateway.kvcache.blocks.BlockLayout`), whatever the
-attention backend that computed it. So a block saved by a CPU server loads on a GPU server of the
-same model and dtype, and the rest of the connector never looks at a backend's layout.
+The connector's tiers hold a block in one canonical shape, `[num_layers, num_kv_heads, 2,
+block_size, head_dim]` (K at index 0 of the third dim, V at 1), whatever the attention backend that
+computed it (`block_shape`, named by `describe` in every block's key). So a block saved by a CPU
+server loads on a GPU server of the same model and dtype, and the rest of the connector never looks
+at a backend's layout. The order is the CPU backend's own: there a block's slice of one layer is
+one contiguous run of memory in the canonical order, so the host tier can be read into and written
+from vLLM's buffers directly (`segments`), with no copy in between.
 
 Two paged layouts are known:
 
 - CPU (`CPU_ATTN`, vLLM's "LBHNC"): each layer is `[num_blocks, heads, block_size, 2 * head_dim]`,
   but the attention kernel reads it as `[num_blocks, heads, 2 * block_size, head_dim]` and takes K
   from the first `block_size` rows of each head and V from the rest (cpu_attn.py,
-  `kv_cache.view(...).chunk(2, dim=2)`): a block is `[heads, 2, block_size, head_dim]`.
-- Flash/FlashInfer on GPU: each layer is `[2, num_blocks, block_size, heads, head_dim]`.
+  `kv_cache.view(...).chunk(2, dim=2)`): a block is `[heads, 2, block_size, head_dim]`, contiguous.
+- Flash/FlashInfer on GPU: each layer is `[2, num_blocks, block_size, heads, head_dim]` (permuted
+  on the device on the way out and in).
 
 Anything else is refused at start (`UnknownLayoutError`): the connector then saves and loads nothing
 and vLLM prefills as it would without it. Copies go through host memory, whole blocks at a time:
@@ -47,6 +51,15 @@ def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     return [kv_caches[name] for name in sorted(kv_caches, key=key)]
 
 
+def block_shape(layout: BlockLayout) -> tuple[int, int, int, int, int]:
+    return (layout.num_layers, layout.num_kv_heads, 2, layout.block_size, layout.head_dim)
+
+
+def describe(layout: BlockLayout) -> str:
+    """The canonical block's shape in words, mixed into the first block's hash."""
+    return f"vllm:L{layout.num_layers}xH{layout.num_kv_heads}x2xB{layout.block_size}xD{layout.head_dim}"
+
+
 @dataclass(slots=True)
 class PagedLayout:
     """Reads and writes canonical blocks in vLLM's paged buffers of one kind (`kind`)."""
@@ -76,16 +89,23 @@ class PagedLayout:
                                  f"(heads {h}, block size {b}, head dim {d})")
 
     def _blocks_view(self, layer: torch.Tensor) -> torch.Tensor:
-        """`layer` as `[num_blocks, 2, heads, block_size, head_dim]` (a strided view, no copy)."""
+        """`layer` as `[num_blocks, heads, 2, block_size, head_dim]` (a view, no copy)."""
         h, b, d = self.layout.num_kv_heads, self.layout.block_size, self.layout.head_dim
         if self.kind == "cpu":
-            return layer.view(layer.shape[0], h, 2, b, d).transpose(1, 2)
-        return layer.permute(1, 0, 3, 2, 4)  # [2, N, B, H, D] -> [N, 2, H, B, D]
+            return layer.view(layer.shape[0], h, 2, b, d)
+        return layer.permute(1, 3, 0, 2, 4)  # [2, N, B, H, D] -> [N, H, 2, B, D]
+
+    def segments(self, block_id: int) -> list[memoryview] | None:
+        """Block `block_id` of every layer as writable memory, in the canonical order, where the
+        buffers are in host memory and a block's slice of a layer is contiguous (CPU); else None."""
+        if self.kind != "cpu":
+            return None
+        return [layer[block_id].view(torch.uint8).numpy().data.cast("B") for layer in self.layers]
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Blocks `block_ids` of every layer, as one host tensor `[n, num_layers, 2, heads, B, D]`."""
+        """Blocks `block_ids` of every layer, as one host tensor `[n, num_layers, heads, 2, B, D]`."""
         n = len(block_ids)
-        out = torch.empty((n, *self.layout.block_shape), dtype=self.layout.dtype, device="cpu")
+        out = torch.empty((n, *block_shape(self.layout)), dtype=self.layout.dtype, device="cpu")
         if n == 0:
             return out
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
@@ -94,7 +114,7 @@ class PagedLayout:
         return out
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Write `blocks` (`[n, num_layers, 2, heads, B, D]`, any device) into blocks `block_ids`."""
+        """Write `blocks` (`[n, num_layers, heads, 2, B, D]`, any device) into blocks `block_ids`."""
         if len(block_ids) != blocks.shape[0]:
             raise ValueError(f"{blocks.shape[0]} blocks for {len(block_ids)} block ids")
         if not block_ids:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,10 +35,9 @@ from gateway.kvcache.settings import CodecName, KVCacheSettings
 from gateway.kvcache.tiers.base import Tier
 from gateway.kvcache.tiers.disk import DiskTier
 from gateway.kvcache.tiers.redis import RedisTier, redis_client_factory
+from gateway.vllm.host import read_block, write_block
 
 log = logging.getLogger(__name__)
-
-_OWNER = "owner.pid"
 
 
 @dataclass(slots=True)
@@ -53,37 +50,6 @@ class TierCounters:
     stores: int = 0
     evictions: int = 0
     corrupt: int = 0
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def host_dir(root: Path, instance: str) -> Path:
-    return root / f"kvgate-vllm-{instance}"
-
-
-def claim_host_dir(root: Path, instance: str) -> Path:
-    """The worker's shared-memory directory, emptied, with its pid inside; directories left by
-    workers that died (their pid is gone) are removed, since shared memory outlives a process."""
-    root.mkdir(parents=True, exist_ok=True)
-    for old in root.glob("kvgate-vllm-*"):
-        try:
-            pid = int((old / _OWNER).read_text())
-        except (OSError, ValueError):
-            pid = None
-        if pid is None or not _pid_alive(pid) or old.name == host_dir(root, instance).name:
-            shutil.rmtree(old, ignore_errors=True)
-    path = host_dir(root, instance)
-    path.mkdir(parents=True)
-    (path / _OWNER).write_text(str(os.getpid()))
-    return path
 
 
 class Store:
@@ -210,10 +176,52 @@ class Store:
             return self.tiers
         return self.tiers[:1] if self.has_host else []
 
-    def put(self, items: Sequence[tuple[BlockHash, torch.Tensor]]) -> None:
-        """Write-through to every tier (the worker's writer thread calls this)."""
-        for k in range(len(self.tiers)):
+    def put(self, items: Sequence[tuple[BlockHash, torch.Tensor]], *, first_tier: int = 0) -> None:
+        """Write-through to every tier from `first_tier` on (the worker's writer thread calls this)."""
+        for k in range(first_tier, len(self.tiers)):
             self._put_tier(k, items)
+
+    # Direct copies between the host tier and vLLM's buffers (gateway/vllm/host.py): the worker, on CPU.
+
+    def save_direct(self, hashes: Sequence[BlockHash], header: bytes, segments: Sequence[Sequence[memoryview]]) -> int:
+        """Write blocks into the host tier straight from vLLM's memory; how many were written."""
+        tier, counters = self.tiers[0]
+        assert isinstance(tier, DiskTier) and self.has_host
+        for n, (h, parts) in enumerate(zip(hashes, segments, strict=True)):
+            with self._lock:
+                known = h in counters.blocks
+            if known:
+                self._touch(0, h)
+                continue
+            try:
+                size = write_block(tier, h, header, parts)
+            except OSError as exc:
+                log.warning("kvgate connector: host tier write failed: %s", exc)
+                return n
+            counters.stores += 1
+            self._index(0, h, size)
+        return len(hashes)
+
+    def load_direct(self, hashes: Sequence[BlockHash], header: bytes, segments: Sequence[Sequence[memoryview]]) -> int:
+        """Read the leading blocks of `hashes` from the host tier straight into vLLM's memory;
+        how many arrived intact (the chain stops at the first absent or damaged one)."""
+        tier, counters = self.tiers[0]
+        assert isinstance(tier, DiskTier) and self.has_host
+        for n, (h, parts) in enumerate(zip(hashes, segments, strict=True)):
+            try:
+                ok = read_block(tier, h, header, parts)
+            except OSError as exc:
+                log.warning("kvgate connector: host tier read failed: %s", exc)
+                ok = None
+            if not ok:
+                if ok is False:
+                    counters.corrupt += 1
+                    log.warning("kvgate connector: dropped a damaged block from the host tier")
+                self._forget(counters, h)
+                return n
+            counters.hits += 1
+            self._touch(0, h)
+        return len(hashes)
 
     def _put_tier(self, k: int, items: Sequence[tuple[BlockHash, torch.Tensor]]) -> None:
         tier, counters = self.tiers[k]

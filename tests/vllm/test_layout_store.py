@@ -12,8 +12,9 @@ import torch
 from gateway.kvcache.blocks import BlockLayout
 from gateway.kvcache.keys import ChainKeyer
 from gateway.kvcache.settings import KVCacheSettings
-from gateway.vllm.layout import PagedLayout, UnknownLayoutError, ordered_layers
-from gateway.vllm.store import Store, claim_host_dir
+from gateway.vllm.host import claim_host_dir
+from gateway.vllm.layout import PagedLayout, UnknownLayoutError, block_shape, ordered_layers
+from gateway.vllm.store import Store
 from gateway.vllm.writer import Writer
 
 LAYOUT = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.bfloat16)
@@ -32,13 +33,13 @@ def test_cpu_layout_reads_k_and_v_as_the_attention_kernel_does() -> None:
     paged = PagedLayout.detect(buffers, LAYOUT)
     assert paged.kind == "cpu"
     blocks = paged.gather([3, 7])
-    assert blocks.shape == (2, *LAYOUT.block_shape)
+    assert blocks.shape == (2, *block_shape(LAYOUT))
     h, b, d = LAYOUT.num_kv_heads, LAYOUT.block_size, LAYOUT.head_dim
     layer1 = buffers["model.layers.1.self_attn.attn"]
     # What cpu_attn.py does: view [N, H, 2B, D], chunk(2, dim=2) -> K, V.
     key, value = layer1.view(NUM_BLOCKS, h, 2 * b, d).chunk(2, dim=2)
-    assert torch.equal(blocks[1, 1, 0], key[7])
-    assert torch.equal(blocks[1, 1, 1], value[7])
+    assert torch.equal(blocks[1, 1, :, 0], key[7])
+    assert torch.equal(blocks[1, 1, :, 1], value[7])
 
 
 @pytest.mark.parametrize("kind", ["cpu", "flash"])
@@ -76,7 +77,7 @@ def _keys(n: int) -> list:
 
 
 def _blocks(n: int) -> torch.Tensor:
-    return torch.randn(n, *LAYOUT.block_shape).to(torch.bfloat16)
+    return torch.randn(n, *block_shape(LAYOUT)).to(torch.bfloat16)
 
 
 def test_the_scheduler_sees_what_the_worker_wrote(tmp_path: Path) -> None:
@@ -170,3 +171,32 @@ def test_the_scheduler_stages_checked_blocks_into_the_host_tier(tmp_path: Path) 
     got = worker.fetch(hashes, host_only=True)
     assert len(got) == 2 and torch.equal(got[1], blocks[1])
     assert worker.stats()[0]["blocks"] == 2  # the worker took the staged blocks into its host budget
+
+
+def test_host_tier_blocks_go_to_and_from_the_paged_buffers_directly(tmp_path: Path) -> None:
+    """On CPU a save writes a block's layer slices straight into the shared-memory file and a load
+    reads them straight back: the same bytes as the codec writes, checked by the same checksum."""
+    from gateway.kvcache.codec import build_codec, raw_header
+    from gateway.kvcache.settings import CodecName
+
+    settings = KVCacheSettings(host_capacity_bytes=1 << 20)
+    store = Store(settings, host_path=claim_host_dir(tmp_path, "d"), writer=True)
+    source, target = cpu_buffers(), cpu_buffers()
+    src, dst = PagedLayout.detect(source, LAYOUT), PagedLayout.detect(target, LAYOUT)
+    header = raw_header(block_shape(LAYOUT), LAYOUT.dtype)
+    hashes = _keys(3)
+    segments = [src.segments(b) or [] for b in (4, 1, 6)]
+    assert store.save_direct(hashes, header, segments) == 3
+    # What was written is an ordinary raw blob of the canonical block.
+    blob = store.tiers[0][0].path_of(hashes[1]).read_bytes()  # type: ignore[attr-defined]
+    assert torch.equal(build_codec(CodecName.RAW).decode(blob), src.gather([1])[0])
+    assert store.load_direct(hashes, header, [dst.segments(b) or [] for b in (0, 2, 3)]) == 3
+    for s_layer, d_layer in zip(ordered_layers(source), ordered_layers(target), strict=True):
+        assert torch.equal(d_layer[[0, 2, 3]], s_layer[[4, 1, 6]])
+    # A damaged host block ends the load there and is deleted.
+    path = store.tiers[0][0].path_of(hashes[1])  # type: ignore[attr-defined]
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert store.load_direct(hashes, header, [dst.segments(b) or [] for b in (7, 8, 9)]) == 1
+    assert not path.exists() and store.stats()[0]["corrupt"] == 1

@@ -6,6 +6,7 @@ two servers take 1-3 minutes to start and about 5 GB of memory each."""
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -149,6 +150,10 @@ def routes_follow_events(small: Server, large: Server, tmp_path: Path) -> None:
         assert served == "large"
         assert cached >= 10 * 32
         assert router.num_misrouted == 0
+    # vLLM's cached tokens reached kvgate's request log (written by the time the app has stopped).
+    with sqlite3.connect(tmp_path / "kvgate.db") as db:
+        logged = [row[0] for row in db.execute("SELECT cached_tokens FROM request_log ORDER BY id")]
+    assert len(logged) == 2 and all(c >= 10 * 32 for c in logged)
 
 
 def test_routing_follows_the_events_through_evictions(servers: tuple[VllmServer, VllmServer],
