@@ -1,14 +1,16 @@
 """The connector in vLLM's scheduler process: which blocks to load for a request, which to save.
 
 Lookup and staging. For the prompt's full blocks past vLLM's own prefix-cache hit, the tiers are
-asked which they hold. Blocks already in the host tier are promised at once. Blocks only on disk or
+asked which they hold. Blocks already in the host tier are promised at once, to be copied in right
+before the forward pass that needs them (vLLM's synchronous load: a memcpy). Blocks only on disk or
 in Redis are first *staged*: a thread reads them, checks their checksums and writes them into the
-host tier, while vLLM is told to ask again later (`None`); the next time it asks, what the host tier
-then holds is promised. So a promise is only made for blocks read and found intact, the worker's
-load is a memcpy, and the scheduler never waits on a tier. (vLLM reports a request's promised
-tokens as cached even when their load fails later, so a promise that cannot be kept would make its
-`cached_tokens` wrong: staging keeps that figure true.) Without a host tier there is nothing to stage
-into: the promise is what the tiers hold, and the worker reads them itself.
+host tier, while vLLM is told to ask again later (`None`) and goes on with other requests; the next
+time it asks, what the host tier then holds is promised. So a promise is only made for blocks read
+and found intact, the worker's load is a memcpy, and the scheduler never waits on a tier. (vLLM
+reports a request's promised tokens as cached even when their load fails later, so a promise that
+cannot be kept would make its `cached_tokens` wrong: staging keeps that figure true.) Without a
+host tier there is nothing to stage into: the promise is what the tiers hold, and the worker reads
+them itself between steps (asynchronously).
 
 Saves: every step, the prompt blocks the step completed (and vLLM did not have or load) go to
 the worker with the ids of the paged blocks holding them.
@@ -39,6 +41,7 @@ class Load:
     req_id: str
     hashes: list[BlockHash]
     block_ids: list[int]
+    sync: bool = False  # loaded before this step's forward pass (host tier), not between steps
 
 
 @dataclass(slots=True)
@@ -70,6 +73,7 @@ class _Plan:
 
     hashes: list[BlockHash]
     first_block: int  # the first block to load (vLLM's own hit ends there)
+    sync: bool
 
 
 class SchedulerSide:
@@ -112,8 +116,11 @@ class SchedulerSide:
                 return None, False
         if held == 0:
             return 0, False
-        self._plans[req_id] = _Plan(hashes[: first + held], first)
-        return held * self.block_size, True
+        # Host-tier blocks are a memcpy: loaded in the step that runs the request, before its forward
+        # pass (vLLM's synchronous load), which saves the round of steps an asynchronous load takes.
+        sync = self._stager is not None or (self.store.has_host and len(self.store.tiers) == 1)
+        self._plans[req_id] = _Plan(hashes[: first + held], first, sync)
+        return held * self.block_size, not sync
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         plan = self._plans.pop(request.request_id, None)
@@ -122,7 +129,7 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()[0]
         end = plan.first_block + num_external_tokens // self.block_size
         self._loads.append(Load(request.request_id, plan.hashes[plan.first_block:end],
-                                list(block_ids[plan.first_block:end])))
+                                list(block_ids[plan.first_block:end]), plan.sync))
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KvgateMetadata:
         meta = KvgateMetadata(loads=self._loads)

@@ -1,8 +1,8 @@
 """The connector in vLLM's worker process: blocks in and out of vLLM's paged buffers.
 
-Loads. Blocks in the host tier are copied into the paged buffers at once, in the step that asked
-for them; the request is released at the end of that step. That is every load when the scheduler
-stages (`scheduler_side.py`). On CPU the copy is one `preadv` from the shared-memory file straight
+Loads. Blocks in the host tier are copied into the paged buffers right before the forward pass of
+the step that runs the request (a synchronous load). That is every load when the scheduler stages
+(`scheduler_side.py`). On CPU the copy is one `preadv` from the shared-memory file straight
 into vLLM's buffers (`host.py`); elsewhere the blocks are read into host tensors and scattered.
 Without a host tier, or for a staged block that vanished meanwhile, a loader thread reads the rest
 from disk or Redis while vLLM goes on with other requests, and they are copied in when all are there.
@@ -79,7 +79,7 @@ class WorkerSide:
                 blocks = self.store.fetch(load.hashes, host_only=True)
                 near = 0
             have = near + len(blocks)
-            if have == len(load.hashes) or not slower:
+            if have == len(load.hashes) or not slower or load.sync:
                 self._finish(load, near, blocks)
                 continue
             future = self._loader.submit(self.store.fetch, load.hashes[have:])
@@ -135,7 +135,8 @@ class WorkerSide:
         if n < len(load.block_ids):
             with self._lock:
                 self._load_errors.update(load.block_ids[n:])
-        self._done.add(load.req_id)
+        if not load.sync:  # a synchronous load's request is running: nothing to release
+            self._done.add(load.req_id)
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
