@@ -85,7 +85,9 @@ class EngineBackend:
         self._tokenizer = worker.runner.loaded.tokenizer
 
     async def list_models(self) -> list[JSONObject]:
-        return [{"id": self.model_id, "object": "model", "created": self._created, "owned_by": "kvgate"}]
+        # `max_model_len` as vLLM publishes it: kvgate fits opted-in requests to it before sending them.
+        return [{"id": self.model_id, "object": "model", "created": self._created, "owned_by": "kvgate",
+                 "max_model_len": self.settings.max_context_tokens}]
 
     # ------------------------------------------------------------------ requests
 

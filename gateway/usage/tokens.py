@@ -78,3 +78,26 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     """A chat request's prompt tokens as o200k counts them: an estimate, for where the upstream's
     count comes too late (an Anthropic stream's `message_start`, translated from a chat stream)."""
     return len(get_encoding().encode(render_prompt(body), disallowed_special=()))
+
+
+def message_tokens(message: Any) -> int:
+    """One chat message's o200k tokens as `render_prompt` renders it (its role tag included), so
+    that the messages of a request can be weighed one by one."""
+    import orjson
+
+    if not isinstance(message, dict):
+        return 0
+    content = message.get("content")
+    if not isinstance(content, str):
+        content = orjson.dumps(content).decode() if content is not None else ""
+    text = f"<{message.get('role')}>{content}"
+    if message.get("tool_calls"):
+        text += orjson.dumps(message["tool_calls"]).decode()
+    return len(get_encoding().encode(text, disallowed_special=()))
+
+
+def tools_tokens(tools: Any) -> int:
+    """The o200k tokens of a request's tool schemas."""
+    import orjson
+
+    return len(get_encoding().encode(orjson.dumps(tools).decode(), disallowed_special=())) if tools else 0
