@@ -36,6 +36,7 @@ from gateway.settings import Settings
 from gateway.slots.keeper import SlotKeeper
 from gateway.slots.store import open_slot_store
 from gateway.upstream.backend import Backend
+from gateway.upstream.context import ContextWindows
 from gateway.upstream.http import HttpBackend
 from gateway.upstream.router import Router
 from gateway.usage.accounting import Accountant, row_pricer
@@ -136,6 +137,8 @@ def create_app(settings: Settings) -> FastAPI:
         attach_observability(app, request_log=request_log, router=router, engine=engine, gate=gate)
         await router.discover()
         router.start_health_checks()
+        windows = ContextWindows(settings.compaction.token_ratio)
+        await windows.probe(router.backends)  # each upstream's context, where it publishes it
         response_cache = await open_response_cache(settings.responsecache, sessions)
         if settings.no_auth:
             log.warning("AUTH IS OFF: every request is served as tenant 'anonymous' (loopback only)")
@@ -155,7 +158,7 @@ def create_app(settings: Settings) -> FastAPI:
                       preparer=Preparer(settings.canonical, encoding=settings.routing.encoding,
                                         block_tokens=settings.routing.block_tokens, on_break=on_break),
                       accountant=Accountant(settings.usage.prices), compaction=settings.compaction,
-                      condense=CondenseStep(settings.condense, settings.engine))
+                      condense=CondenseStep(settings.condense, settings.engine), windows=windows)
         app.state.services = Services(
             settings=settings,
             db=db,

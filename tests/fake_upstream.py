@@ -14,6 +14,11 @@ Replies echo the last user message. A request picks a fault with the body field 
     slow_tokens:S               stream normally, sleeping S seconds before each content chunk
 
 GET /control/state shows the last request (body and headers) and which streams were cancelled.
+
+`context_tokens` gives it a context, as vLLM has one: a chat request whose prompt (o200k tokens of
+the rendered prompt) plus max_tokens is longer is refused with OpenAI's 400 `context_length_exceeded`,
+and `/v1/models` publishes it as `max_model_len` (unless `publish_context` is False). Every chat
+request's usage is kept in `state["usages"]`, in order.
 """
 
 from __future__ import annotations
@@ -53,13 +58,15 @@ def _last_user_text(messages: list[dict[str, Any]]) -> str:
 
 
 def create_fake_upstream(prefix_cache_blocks: int = 0, report_cached: bool = True,
-                         block_tokens: int = 64) -> FastAPI:
+                         block_tokens: int = 64, context_tokens: int | None = None,
+                         publish_context: bool = True) -> FastAPI:
     """`prefix_cache_blocks` > 0 makes it behave like a server with automatic prefix caching: chat
     prompts are rendered (tools as JSON in the order received, as chat templates do), cut into
     `block_tokens`-token blocks and kept in an LRU of that many blocks; usage reports the cached
     prefix (unless `report_cached` is False, like servers without cache reporting)."""
     app = FastAPI()
-    state: dict[str, Any] = {"last_request": None, "last_headers": None, "cancelled": [], "count": 0}
+    state: dict[str, Any] = {"last_request": None, "last_headers": None, "cancelled": [], "count": 0,
+                             "usages": [], "refused": 0}
     signals: dict[str, asyncio.Event] = {}
 
     def signal(tag: str) -> asyncio.Event:
@@ -67,7 +74,10 @@ def create_fake_upstream(prefix_cache_blocks: int = 0, report_cached: bool = Tru
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [{"id": m, "object": "model", "created": 1700000000, "owned_by": "fake"} for m in MODELS]
+        data: list[dict[str, Any]] = [{"id": m, "object": "model", "created": 1700000000, "owned_by": "fake"}
+                                      for m in MODELS]
+        if context_tokens is not None and publish_context:
+            data[0]["max_model_len"] = context_tokens
         return _json({"object": "list", "data": data})
 
     @app.get("/control/state")
@@ -126,14 +136,30 @@ def create_fake_upstream(prefix_cache_blocks: int = 0, report_cached: bool = Tru
                                   "total_tokens": len(ids) + completion}
         if report_cached:
             result["prompt_tokens_details"] = {"cached_tokens": hit * block_tokens}
+        state["usages"].append(result)
         state["prefix_hit_tokens"] = state.get("prefix_hit_tokens", 0) + hit * block_tokens
         state["prompt_tokens"] = state.get("prompt_tokens", 0) + len(ids)
         return result
 
+    def refusal(body: dict[str, Any]) -> Response | None:
+        """vLLM's refusal of a prompt longer than the context, in OpenAI's words."""
+        if context_tokens is None:
+            return None
+        prompt = len(get_encoding("o200k_base").encode(render_prompt(body), disallowed_special=()))
+        completion = int(body.get("max_tokens") or body.get("max_completion_tokens") or 0)
+        if prompt + completion <= context_tokens:
+            return None
+        state["refused"] += 1
+        message = (f"This model's maximum context length is {context_tokens} tokens. However, you requested "
+                   f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the completion). "
+                   "Please reduce the length of the messages or completion.")
+        return _json({"error": {"message": message, "type": "invalid_request_error", "param": "messages",
+                                "code": "context_length_exceeded"}}, 400)
+
     @app.post("/control/reset")
     async def control_reset() -> Response:
         lru.clear()
-        state.update(count=0, prefix_hit_tokens=0, prompt_tokens=0)
+        state.update(count=0, prefix_hit_tokens=0, prompt_tokens=0, usages=[], refused=0)
         return _json({"reset": True})
 
     def tool_call(body: dict[str, Any], text: str) -> dict[str, Any] | None:
@@ -150,6 +176,8 @@ def create_fake_upstream(prefix_cache_blocks: int = 0, report_cached: bool = Tru
         body, fault, early = await intake(request)
         if early is not None:
             return early
+        if (refused := refusal(body)) is not None:
+            return refused
         text = _last_user_text(body.get("messages", []))
         reply = f"echo: {text}"
         call = tool_call(body, text)

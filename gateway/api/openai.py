@@ -13,7 +13,7 @@ from gateway.api.render import render
 from gateway.api.responses import json_response
 from gateway.canonical.prompt_cache import with_prompt_cache_key
 from gateway.pipeline.call import Call, Route
-from gateway.pipeline.compaction import opted_in
+from gateway.pipeline.compaction import opted_in, truncation_chosen
 from gateway.pipeline.condense import read_condense
 from gateway.responsecache.controls import read_controls
 from gateway.schemas.requests import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -35,6 +35,7 @@ async def chat_completions(request: Request, services: ServicesDep, principal: A
     condense = read_condense(request.headers, body, services.settings.condense, principal.tenant,
                              body.get("model") if isinstance(body.get("model"), str) else None)
     compact = opted_in(request.headers, body)
+    truncate = truncation_chosen(request.headers, body)
     controls = read_controls(request.headers, body)
     parsed = validate(ChatCompletionRequest, body)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
@@ -45,6 +46,7 @@ async def chat_completions(request: Request, services: ServicesDep, principal: A
         stream=parsed.stream, include_usage=include_usage, cache=controls,
         session=request.headers.get("x-kvgate-session"), condense=condense,
         compact=compact if compact is not None else principal.tenant in services.settings.compaction.tenants,
+        truncate=truncate,
     )
     return render(await services.proxy.forward(call))
 

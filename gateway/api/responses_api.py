@@ -29,6 +29,7 @@ from gateway.errors import GatewayError, InvalidField, NotFound
 from gateway.persistence.keys import Principal
 from gateway.persistence.responses import ResponseRecord
 from gateway.pipeline.call import Call, Route
+from gateway.pipeline.compaction import opted_in, truncation_chosen
 from gateway.pipeline.results import Answer, EventStream, Result
 from gateway.responsecache.controls import read_controls
 from gateway.schemas import responses_api
@@ -42,6 +43,8 @@ Keep = Callable[[dict[str, Any]], Awaitable[None]]
 async def responses(request: Request, services: ServicesDep, principal: AdmittedDep) -> Response:
     body = await read_json(request, services.settings.max_body_bytes)
     controls = read_controls(request.headers, body)
+    compact = opted_in(request.headers, body)
+    truncate = truncation_chosen(request.headers, body, responses=True)
     session = request.headers.get("x-kvgate-session")
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -63,7 +66,8 @@ async def responses(request: Request, services: ServicesDep, principal: Admitted
     chat = with_prompt_cache_key(responses_api.to_chat_request(body, turn.chat_history()), principal.tenant,
                                  session, derive=services.settings.derive_prompt_cache_key)
     call = Call(request_id(request), principal, Route.RESPONSES, "/chat/completions", model, chat, stream=stream,
-                include_usage=True, cache=controls, session=session)
+                include_usage=True, cache=controls, session=session, truncate=truncate,
+                compact=compact if compact is not None else principal.tenant in services.settings.compaction.tenants)
     response = await services.proxy.forward(call)
     if stream:
         translator = responses_api.ChatToResponsesStream(body, model)

@@ -33,6 +33,10 @@ class Prepared:
             self._blocks = self.cut(self.body) if self.cut is not None else []
         return self._blocks
 
+    def with_body(self, body: dict[str, Any]) -> Prepared:
+        """The same preparation for another body (compacted, truncated): its blocks cut afresh."""
+        return Prepared(body, self.headers, self.breaks, self.layout, self.volatile, self.cut)
+
 
 class Preparer:
     def __init__(self, canonical: CanonicalSettings, *, encoding: str, block_tokens: int,

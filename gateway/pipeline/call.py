@@ -44,6 +44,9 @@ class Call:
     condensed: CondenseOutcome | None = None
     compact: bool = False  # continue from a summary when the conversation overflows the context
     compaction: Compaction | None = None  # set when it did
+    truncate: bool = False  # or drop its oldest messages (`truncation: "auto"`, `x-kvgate-truncation: auto`)
+    truncated: int | None = None  # how many it dropped
+    refits: int = 0  # refusals as too long that were fitted again with the upstream's numbers
     # Client headers the upstream must see (native Messages: `anthropic-beta`); part of the cache key.
     upstream_headers: dict[str, str] = field(default_factory=dict)
     # The cache status to log when the proxy looks nothing up itself: the embeddings cache looks up
@@ -57,11 +60,18 @@ class Call:
 
 
 def compaction_headers(call: Call) -> dict[str, str]:
-    return {"x-kvgate-compacted": str(call.compaction.replaced_messages)} if call.compaction else {}
+    """What was done to make the request fit: messages summarised, messages dropped."""
+    headers = {"x-kvgate-compacted": str(call.compaction.replaced_messages)} if call.compaction else {}
+    if call.truncated:
+        headers["x-kvgate-truncated"] = str(call.truncated)
+    return headers
 
 
 def compaction_field(call: Call) -> dict[str, Any]:
-    return {"compaction": call.compaction.report()} if call.compaction else {}
+    fitted: dict[str, Any] = {"compaction": call.compaction.report()} if call.compaction else {}
+    if call.truncated:
+        fitted["truncation"] = {"dropped_messages": call.truncated}
+    return fitted
 
 
 def stream_body(call: Call, backend: Backend) -> JSONObject:

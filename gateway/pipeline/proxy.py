@@ -1,6 +1,7 @@
 """The path of one generation or embedding request after the HTTP edge, as domain steps:
 
     prepare -> cache lookup -> (hit: replay) -> single-flight -> condense (opt-in)
+            -> fit the context (opt-in: compact or truncate, pipeline/compactor.py)
             -> route + forward (stream: pipeline/stream.py) -> account usage -> store / log
 
 `Proxy.forward` returns a domain result (pipeline/results.py); the edge renders it. Backends never
@@ -19,15 +20,8 @@ from gateway.errors import GatewayError, UpstreamError
 from gateway.observability.tracing import note_answer
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.pipeline.call import Call, Route, compaction_field, compaction_headers, tenant_salt
-from gateway.pipeline.compaction import (
-    HOW_TO_OPT_IN,
-    Compaction,
-    CompactionSettings,
-    compaction_request,
-    continued_request,
-    is_context_overflow,
-    summary_text,
-)
+from gateway.pipeline.compaction import HOW_TO_OPT_IN, HOW_TO_OPT_IN_RESPONSES, CompactionSettings, is_context_overflow
+from gateway.pipeline.compactor import MAX_REFITS, ContextFit
 from gateway.pipeline.condense import CondenseStep, annotate_usage, condense_headers
 from gateway.pipeline.follow import follow_stream
 from gateway.pipeline.record import request_row
@@ -35,7 +29,8 @@ from gateway.pipeline.results import Answer, EventStream, Result, iterate
 from gateway.pipeline.singleflight import Flight, SingleFlight
 from gateway.pipeline.stream import StreamRun
 from gateway.responsecache.cache import HIT_INFLIGHT, KINDS, Lookup, ResponseCache
-from gateway.upstream.backend import JSONObject, UpstreamJSON
+from gateway.upstream.backend import UpstreamJSON
+from gateway.upstream.context import ContextWindows
 from gateway.upstream.router import Route as Routed
 from gateway.upstream.router import Router
 from gateway.usage.accounting import Accountant
@@ -47,7 +42,8 @@ class Proxy:
     def __init__(self, router: Router, request_log: RequestLogWriter,
                  response_cache: ResponseCache | None = None, preparer: Preparer | None = None,
                  accountant: Accountant | None = None, compaction: CompactionSettings | None = None,
-                 condense: CondenseStep | None = None, flights: SingleFlight | None = None) -> None:
+                 condense: CondenseStep | None = None, flights: SingleFlight | None = None,
+                 windows: ContextWindows | None = None) -> None:
         self.router = router
         self.flights = flights or SingleFlight()
         self.log = request_log
@@ -56,6 +52,8 @@ class Proxy:
         self._compaction = compaction or CompactionSettings()
         self._preparer = preparer
         self._condense = condense
+        self.windows = windows or ContextWindows(self._compaction.token_ratio)
+        self._fit = ContextFit(router, self.windows, self.accountant, self._compaction)
 
     async def forward(self, call: Call) -> Result:
         started = time.perf_counter()
@@ -74,6 +72,12 @@ class Proxy:
             # After the cache lookup (keyed by what the client sent), before the upstream reads it.
             if call.condense is not None and self._condense is not None:
                 call.body, call.condensed = await self._condense.apply(call.body, call.condense)
+            if self._fit.wanted(call):
+                try:
+                    if await self._fit.apply(call, prepared.cut):
+                        prepared = prepared.with_body(call.body)  # the router's blocks: what is sent
+                except GatewayError as exc:  # its summary calls fitted themselves: no refit here
+                    return await self._failed(call, started, prepared, exc, lookup, flight, refit=False)
             if call.stream:
                 return await StreamRun(self, call, started, lookup, flight).open(prepared)
             salt = tenant_salt(call.principal.tenant)
@@ -144,14 +148,23 @@ class Proxy:
         return EventStream(events, {**lookup.headers, "x-request-id": call.request_id, **prepared.headers})
 
     async def _failed(self, call: Call, started: float, prepared: Prepared, exc: GatewayError,
-                      lookup: Lookup | None, flight: Flight | None) -> Result:
-        """An upstream error: compact and retry when the client opted in, else log and raise."""
-        if is_context_overflow(exc) and call.route == Route.CHAT:
-            if call.compact and (request := compaction_request(call.body, self._compaction)) is not None:
-                if flight is not None:
-                    self.flights.abandon(flight)  # the compacted request is another request
-                return await self._compact_and_forward(call, request, prepared)
-            exc.message += HOW_TO_OPT_IN
+                      lookup: Lookup | None, flight: Flight | None, *, refit: bool = True) -> Result:
+        """An error: the upstream's refusal as too long is fitted again, with its numbers, when the
+        client opted in (compaction or truncation); else logged and raised."""
+        if is_context_overflow(exc) and call.route in (Route.CHAT, Route.RESPONSES):
+            if not self._fit.wanted(call) and call.compaction is None:
+                exc.message += HOW_TO_OPT_IN if call.route == Route.CHAT else HOW_TO_OPT_IN_RESPONSES
+            elif refit and call.refits < MAX_REFITS:
+                call.refits += 1
+                self._fit.learn(call, exc)
+                try:
+                    fitted = await self._fit.apply(call, prepared.cut, refused=True)
+                except GatewayError as refused:
+                    exc, fitted = refused, False
+                if fitted:
+                    if flight is not None:
+                        self.flights.abandon(flight)  # the fitted request is another request
+                    return await self.forward(call)
         self.log.record(request_row(call, started, status=exc.status_code, upstream=exc.upstream, error=exc,
                                     cache=lookup.status if lookup else call.cache_status,
                                     lookup=lookup))
@@ -186,20 +199,3 @@ class Proxy:
         if flight is not None:
             self.flights.resolve(flight, result.body, linger=stored)
         return Answer(raw, headers)
-
-    async def _compact_and_forward(self, call: Call, request: JSONObject, prepared: Prepared) -> Result:
-        """Summarise the conversation behind the same prefix, then forward it continued from the
-        summary (pipeline/compaction.py says why this keeps the upstream's prefix cache)."""
-        salt = tenant_salt(call.principal.tenant)
-        result, route = await self.router.call(
-            call.model, lambda b: b.post_json(call.path, request, salt=salt), blocks=prepared.blocks, salt=salt,
-            path=call.path, prompt=request,
-        )
-        self.router.release(route)
-        usage, _ = self.accountant.finish(route.backend.name, call.model, result.body.get("usage"),
-                                          route.matched_tokens)
-        summary = summary_text(result.body)
-        body, replaced = continued_request(call.body, summary)
-        call.body, call.compact = body, False
-        call.compaction = Compaction(summary=summary, replaced_messages=replaced, usage=usage)
-        return await self.forward(call)

@@ -114,3 +114,32 @@ def test_opt_in_from_header_or_body() -> None:
     assert opted_in({}, body) is True and body == {}
     body = {"kvgate": {"compact": True, "cache": {"no_store": True}}}
     assert opted_in({"x-kvgate-compact": "off"}, body) is False and body == {"kvgate": {"cache": {"no_store": True}}}
+
+
+def test_a_history_longer_than_the_context_is_summarised_in_pieces(engine_gateway: Gateway) -> None:
+    """No turn was ever sent: the engine's context (its `max_model_len`) is known, so the request is
+    compacted before it is sent, in several summary calls that each fit."""
+    notes = [f"Note {i}: the {i}th train to Lyon leaves Paris Gare de Lyon from platform {i % 9 + 1} at "
+             f"{6 + i}:15 and stops in Dijon, Macon and Villefranche before it reaches Lyon Part-Dieu."
+             for i in range(18)]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for note in notes:
+        messages += [{"role": "user", "content": f"Keep this for later. {note} {note}"},
+                     {"role": "assistant", "content": "Kept."}]
+    messages.append({"role": "user", "content": "From which platform does the first train leave?"})
+    assert len(prompt_ids(messages, True)) > 2 * CONTEXT
+    refused = post(engine_gateway, {"model": MODEL, "messages": messages, "max_tokens": 16})
+    assert refused.status_code == 400 and "x-kvgate-compact" in refused.json()["error"]["message"]
+    reply = post(engine_gateway, {"model": MODEL, "messages": messages, "max_tokens": 16},
+                 **{"x-kvgate-compact": "on"})
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-kvgate-compacted"] == str(len(messages) - 2)
+    calls = reply.json()["kvgate"]["compaction"]["calls"]
+    assert len(calls) >= 2 and all(u["prompt_tokens"] + 64 <= CONTEXT for u in calls), calls
+    # every later call begins with the instructions the one before it sent: restored from the KV cache
+    system_blocks = (len(prompt_ids(messages[:1], False)) - 1) // 16 * 16
+    assert all(u["prompt_tokens_details"]["cached_tokens"] >= system_blocks for u in calls[1:]), calls
+    truncated = post(engine_gateway, {"model": MODEL, "messages": messages, "max_tokens": 16},
+                     **{"x-kvgate-truncation": "auto"})
+    assert truncated.status_code == 200, truncated.text
+    assert int(truncated.headers["x-kvgate-truncated"]) > 0
