@@ -57,8 +57,9 @@ class Lookup:
     # The judge's: on a semantic hit, the served entry's; on a judged miss, the highest it gave any
     # candidate (turned down, or short of the request's bar).
     probability: float | None = None
-    # On a judged miss: the cosine of the nearest stored question of the partition (the judge
-    # turned it down), for `x-kvgate-similarity`.
+    # On a miss, for `x-kvgate-similarity`: judged, the embedding cosine of the nearest stored
+    # question of the partition (the judge turned it down); ruled out by the cheap stage, the
+    # nearest one's sketch cosine (nothing was embedded; `sketch.py`).
     nearest: float | None = None
     semantic_skipped: str | None = None
     ruled_out: str | None = None  # why the cheap stage ended it (`RULED_OUT_*`), with `STAGE_RULED_OUT`

@@ -1,13 +1,14 @@
 """What a semantic lookup says it saw, through the real gateway and the openai SDK, on SQLite and
 PostgreSQL: a judged lookup, hit or miss, gives the judge's probability; a lookup the cheap stage
-ended says why (no stored question, none within the floor, the prejudge, a veto), with nothing
-embedded or judged to say it."""
+ended says why (no stored question, none within the floor, the prejudge, a veto) and how close it
+came (the nearest stored question's sketch cosine), with nothing embedded or judged to say it."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
+from gateway.responsecache.semantic.sketch import Sketcher
 from tests.conftest import Gateway
 from tests.responsecache.conftest import ADMIN, Client
 
@@ -53,5 +54,14 @@ def test_a_ruled_out_lookup_says_why(gw: Gateway, stored: str | None, asked: str
     miss = client.chat(asked, headers={**space, **NO_STORE})
     assert miss.cache == "miss" and miss.headers["x-kvgate-semantic-stage"] == "ruled-out", miss.headers
     assert miss.headers["x-kvgate-semantic-ruled-out"] == reason
-    assert "x-kvgate-judge-probability" not in miss.headers and miss.similarity is None
+    assert "x-kvgate-judge-probability" not in miss.headers
     assert judged_count(gw) == judged, "nothing is judged to say why"
+    if stored is None:
+        assert miss.similarity is None, "no stored question: no similarity"
+        return
+    # How close it came: the nearest stored question's sketch cosine, exact to the header's digits.
+    sketcher = Sketcher.load()
+    expected = float(sketcher.sketch(asked) @ sketcher.sketch(stored))
+    assert miss.similarity == pytest.approx(expected, abs=1e-4), miss.headers
+    floor = sketcher.floor(asked)
+    assert (miss.similarity < floor) if reason == "below-floor" else (miss.similarity >= floor)

@@ -1,6 +1,6 @@
 """Trivial variants (responsecache/semantic/variants.py) through the real gateway and the openai SDK, on
 SQLite and PostgreSQL: a question that differs from a stored one only in case, spacing, width forms
-or end punctuation is a semantic hit in its own partition, never in another, and never when the
+or punctuation is a semantic hit in its own partition, never in another, and never when the
 normalized texts differ; it is served even when the semantic stage is starved."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.responsecache.semantic.variants import normalized_question
+from gateway.responsecache.semantic.variants import LONG_FORM, QUESTION_CHARS, normalized_question
 from tests.conftest import Gateway
 from tests.responsecache.conftest import ADMIN, Client, cache_gateway, other_tenant_key, upstream_count
 
@@ -31,11 +31,34 @@ def variant_hit(reply: Any) -> bool:
     ("怎么修改微信密码\uff61", "怎么修改微信密码"),
     # Only width forms are folded: NFKC would make these "what is 106" and "x2".
     ("What is 10\u2076?", "what is 10\u2076"),
-    ("Solve x\u00b2 = 4.", "solve x\u00b2 = 4"),
-    ("Is C++ faster than C?", "is c++ faster than c"),
+    ("Solve x\u00b2 = 4.", "solve x\u00b2=4"),
+    ("Is C++ faster than C?", "is c++faster than c"),
+    # Punctuation anywhere reads as a word break, whitespace counts only between two Latin words.
+    ("北京，今天天气怎么样？", "北京今天天气怎么样"),
+    ("北京 今天 天气 怎么样 ?", "北京今天天气怎么样"),
+    ("《红楼梦》的作者是谁？", "红楼梦的作者是谁"),
+    ("用 Python 写爬虫", "用python写爬虫"),
+    ("Hello , what's the time ?", "hello whats the time"),
+    ("Is it notable?", "is it notable"),
+    ("Is it not able?", "is it not able"),
+    # ... but kept where it makes another number, and symbols are kept.
+    ("Is 3.5 bigger than 35?", "is 3.5 bigger than 35"),
+    ("What is -5 squared?", "what is-5 squared"),
+    ("What is 5 - 3?", "what is 5-3"),
+    ("Is 1,000 more than 999?", "is 1,000 more than 999"),
+    ("Is C# like C?", "is c#like c"),
+    ("Is 5% a lot?", "is 5%a lot"),
 ])
 def test_normalized_question(text: str, form: str) -> None:
     assert normalized_question(text) == form
+
+
+def test_a_long_turn_folds_only_case_width_and_whitespace() -> None:
+    code = "Why does this fail? " + "x = f(a, b)\n" * 60
+    assert normalized_question(code).startswith(LONG_FORM)
+    assert normalized_question(code) != normalized_question(code.replace(", ", " "))
+    assert normalized_question(code) == normalized_question(code.upper().replace("\n", "  \n"))
+    assert normalized_question("x" * QUESTION_CHARS) != LONG_FORM + "x" * QUESTION_CHARS
 
 
 def test_the_readme_question_in_lower_case_without_its_question_mark_is_a_hit(gw: Gateway,
@@ -76,6 +99,14 @@ def test_full_width_chinese_punctuation_variant_hits(gw: Gateway) -> None:
     client.miss_then_stored("怎么修改支付宝的登录密码？")
     assert variant_hit(client.chat("怎么修改支付宝的登录密码"))
     assert variant_hit(client.chat("怎么修改支付宝的登录密码?"))
+
+
+def test_a_chinese_question_with_an_inner_comma_or_spaces_hits_without_the_judge(gw: Gateway) -> None:
+    client = Client(gw)
+    client.miss_then_stored("北京今天天气怎么样？")
+    for variant in ("北京，今天天气怎么样？", "北京 今天 天气怎么样", " 北京，今天天气怎么样 ! "):
+        hit = client.chat(variant, headers=NO_STORE)
+        assert variant_hit(hit) and "x-kvgate-judge-probability" not in hit.headers, (variant, hit.headers)
 
 
 def test_other_tenants_contexts_and_namespaces_never_get_a_variant(gw: Gateway) -> None:
@@ -151,7 +182,8 @@ def test_a_judged_miss_reports_the_nearest_similarity(gw: Gateway) -> None:
     assert miss.cache == "miss" and miss.headers["x-kvgate-semantic-stage"] == "judged"
     assert 0.8 < float(miss.headers["x-kvgate-similarity"]) <= 1
     unrelated = client.chat("Why do cats purr when they are happy?", headers={**space, **NO_STORE})
-    assert unrelated.cache == "miss" and "x-kvgate-similarity" not in unrelated.headers
+    assert unrelated.cache == "miss" and unrelated.headers["x-kvgate-semantic-ruled-out"] == "below-floor"
+    assert 0 <= float(unrelated.headers["x-kvgate-similarity"]) < 0.7, "the nearest one's sketch cosine"
 
 
 def test_variants_are_served_while_the_semantic_stage_is_starved(

@@ -177,10 +177,16 @@ class VectorIndex:
         """The `k` nearest entries by cosine. With `floor`, an int8 search whose best code lies
         further below it than codes can err returns nothing: no entry reaches the floor (most
         lookups end here, and skip the re-ranking)."""
+        return self.search_nearest(partition, vector, k, floor)[0]
+
+    def search_nearest(self, partition: PartitionKey, vector: np.ndarray, k: int = 4,
+                       floor: float | None = None) -> tuple[list[Candidate], float | None]:
+        """`search`, and the nearest entry's cosine (None in an empty partition), also when the
+        search found none within `floor`: what a miss reports of how close it came."""
         with self._lock:
             index = self._partitions.get(partition)
             if index is None:
-                return []
+                return [], None
             wanted = k + RERANK_EXTRA if self._int8 else k
             query = vector.reshape(1, -1).astype(np.float32)
             if self._int8 and partition not in self._rebuilt:
@@ -188,16 +194,18 @@ class VectorIndex:
             scores, ids = index.search(query, min(wanted, index.ntotal))
             if floor is not None and self._int8 and partition not in self._rebuilt \
                     and scores[0][0] / INT8_SCALE ** 2 < floor - INT8_MAX_ERROR:
-                return []
+                # The best code's entry, by its exact cosine: one product, not the re-ranking.
+                best = self._entries.get(int(ids[0][0]))
+                return [], float(self._vector_of(best) @ vector) if best is not None else None
             found = [(self._entries[int(i)], float(s)) for s, i in zip(scores[0], ids[0], strict=True)
                      if i >= 0 and int(i) in self._entries]
         if not self._int8:
-            return [Candidate(meta, score) for meta, score in found]
+            return [Candidate(meta, score) for meta, score in found], found[0][1] if found else None
         if not found:
-            return []
+            return [], None
         cosines = np.stack([self._vector_of(meta) for meta, _ in found]) @ vector  # type: ignore[misc]
         order = np.argsort(-cosines, kind="stable")[:k]
-        return [Candidate(found[i][0], float(cosines[i])) for i in order]
+        return [Candidate(found[i][0], float(cosines[i])) for i in order], float(cosines[order[0]])
 
 
 def embeddings_index(ivf_min_entries: int = IVF_MIN_ENTRIES) -> VectorIndex:

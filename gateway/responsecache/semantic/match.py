@@ -26,12 +26,14 @@ import numpy as np
 from gateway.responsecache.keys import PartitionKey
 from gateway.responsecache.lookup import RULED_OUT_EMPTY, RULED_OUT_FAR
 from gateway.responsecache.semantic.index import VectorIndex
-from gateway.responsecache.semantic.judge import Verifier
+from gateway.responsecache.semantic.judge import Verifier, hard_negative
 from gateway.responsecache.semantic.language import language_of
 from gateway.responsecache.semantic.prejudge import Prejudge
 from gateway.responsecache.store import EntryMeta
 
 NUM_CANDIDATES = 4
+# Neighbours searched beyond NUM_CANDIDATES + 1, to take the place of those a veto rules out.
+VETOED_SPARE = 2
 # Sketch neighbours the cheap stage hands on to be embedded (when not yet) and judged.
 PLAUSIBLE_CANDIDATES = 4
 # Shared text (common prefix + suffix) from which a pair is judged by its differing sentences: about
@@ -62,12 +64,14 @@ def plausible(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray
 @dataclass(slots=True, frozen=True)
 class Plausible:
     """What the cheap stage found: the stored questions to embed and judge, the prejudge's best
-    estimate of the chance that the judge serves one of them (1 without a prejudge), and when there
-    are none, why (`RULED_OUT_*`)."""
+    estimate of the chance that the judge serves one of them (1 without a prejudge), when there
+    are none, why (`RULED_OUT_*`), and the nearest stored question's sketch cosine (None when the
+    partition holds none): how close a ruled-out lookup came."""
 
     metas: list[EntryMeta]
     chance: float
     ruled_out: str | None = None
+    nearest: float | None = None
 
 
 def plausible_with_chance(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray, query: str,
@@ -77,20 +81,23 @@ def plausible_with_chance(sketches: VectorIndex, partition: PartitionKey, sketch
     When every candidate is ruled out, the reason given is the nearest one's."""
     # Neighbours below the floor count as the floor in the prejudge's features, so a search that
     # finds none within it says all there is to say.
-    candidates = [c for c in sketches.search(partition, sketch, k + 1, floor)
-                  if c.meta.expires_at > now and c.meta.query is not None]
+    found, nearest = sketches.search_nearest(partition, sketch, k + 1, floor)
+    candidates = [c for c in found if c.meta.expires_at > now and c.meta.query is not None]
     cosines = [c.similarity for c in candidates]
     within = [(rank, c) for rank, c in enumerate(candidates[:k]) if c.similarity >= floor]
     if not within:
-        return Plausible([], 0.0, RULED_OUT_FAR if candidates or sketches.holds(partition) else RULED_OUT_EMPTY)
+        if not candidates and not sketches.holds(partition):
+            return Plausible([], 0.0, RULED_OUT_EMPTY)
+        return Plausible([], 0.0, RULED_OUT_FAR, cosines[0] if cosines else nearest)
     if prejudge is None:
-        return Plausible([c.meta for _, c in within], 1.0)
+        return Plausible([c.meta for _, c in within], 1.0, nearest=cosines[0])
     language = language_of(query)
     chance, reason = 0.0, None
     for rank, c in within:
         estimate, why = prejudge.chance(query, language, c.meta.query or "", rank, cosines, floor)
         chance, reason = max(chance, estimate), reason or why
-    return Plausible([c.meta for _, c in within], chance) if chance > 0 else Plausible([], 0.0, reason)
+    return Plausible([c.meta for _, c in within], chance, nearest=cosines[0]) if chance > 0 \
+        else Plausible([], 0.0, reason, cosines[0])
 
 
 def sketch_neighbourhood(sketches: VectorIndex, partition: PartitionKey, sketch: np.ndarray, now: float,
@@ -123,10 +130,21 @@ def best_match(index: VectorIndex, partition: PartitionKey, vector: np.ndarray, 
 
 def judge(index: VectorIndex, partition: PartitionKey, vector: np.ndarray, text: str,
           verifier: Verifier, now: float) -> Judgement:
+    """The best `NUM_CANDIDATES` stored questions the index returns, each judged in its retrieval
+    context (rank, the neighbours' cosines), the most probable accepted one served. A neighbour a
+    veto rules out (`vetoes.hard_negative`: another number, negation, date...) is another question
+    for certain: it is judged no further and does not crowd the candidates behind it, which are
+    judged as if it were not stored, so a paraphrase stored behind a closer question the vetoes
+    rule out is found as if it were the nearest. Nothing is served that a veto rules out."""
     best: Match | None = None
     highest: float | None = None
-    # One neighbour past the candidates: the last candidate's margin to the next is a feature.
-    candidates = index.search(partition, vector, NUM_CANDIDATES + 1)
+    # One neighbour past the candidates: the last candidate's margin to the next is a feature. A
+    # few more, to stand in for vetoed ones.
+    found = index.search(partition, vector, NUM_CANDIDATES + 1 + VETOED_SPARE)
+    kept = [c.meta.query is None or hard_negative(text, c.meta.query) is None for c in found]
+    if not all(kept[:NUM_CANDIDATES]):
+        highest = 0.0  # what the verifier says of a vetoed candidate
+    candidates = [c for c, keep in zip(found, kept, strict=True) if keep][:NUM_CANDIDATES + 1]
     cosines = [c.similarity for c in candidates]
     for rank, candidate in enumerate(candidates[:NUM_CANDIDATES]):
         meta = candidate.meta

@@ -191,6 +191,7 @@ class SemanticStage:
         self.cheap_stage_cpu_s += spent
         if not plausible.metas:
             lookup.stage, lookup.ruled_out = STAGE_RULED_OUT, plausible.ruled_out
+            lookup.nearest = plausible.nearest  # a sketch cosine: nothing was embedded
             self.num_ruled_out += 1
             return None
         if not affordable:
