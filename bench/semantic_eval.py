@@ -10,8 +10,12 @@ false-hit rate; a stored question enters the judge's index once a lookup's cheap
 as in the gateway. Each language's row also says what the cheap stage cost against the judge
 alone (every stored question embedded).
 
-The strict metric comes first: a hit is right only when it returns its own pair's `a` (the same
-text) and the label is 1.
+Two readings, side by side. `copies_right` first (issue 53): a hit is right when it returns its
+own pair's `a` with label 1, or the asked question itself stored under another pair (the same once
+case, width, whitespace and punctuation are folded: the same question has the same answer, and
+the gateway serves it as a trivial variant). The strict metric beside it: a hit is right only when
+it returns its own pair's `a` (the same text) and the label is 1; the operating point (false hits
+per lookup) is set and reported on this one.
 
     precision       right hits / hits                (95% Wilson interval)
     recall          right hits / label-1 pairs
@@ -31,10 +35,8 @@ questions across pairs (QQP): there the strict metric counts a hit on another pa
 very question asked as wrong. On a file whose label-1 pairs are dense (LCQMC) it links nearly
 everything and reads near 1.0: never a headline figure.
 
-`copies_right` is another secondary reading: the strict metric, except that a hit on the asked
-question itself (equal after lowercasing and dropping punctuation), stored under another pair,
-counts as right. The strict metric calls that hit wrong because it is not the pair's own `a`;
-in a cache it is the question asked (answered from the cache, it is the right answer).
+As in the gateway, a question with the normalized form of a stored one (`variants.py`) is served
+that one before the cheap stage and the judge (in the judge-alone reading too).
 
 `baseline` is a plain fixed-threshold cosine cache (GPTCache, LiteLLM, RedisVL) on the same
 embeddings: the nearest neighbour is served when its cosine reaches a threshold, set here where it
@@ -77,6 +79,7 @@ from gateway.responsecache.semantic.judge import Verifier, tokens
 from gateway.responsecache.semantic.language import language_of
 from gateway.responsecache.semantic.match import Match, best_match, plausible, sketch_neighbourhood
 from gateway.responsecache.semantic.sketch import Sketcher
+from gateway.responsecache.semantic.variants import normalized_question
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.store import EntryMeta
 
@@ -186,12 +189,23 @@ def stored_metas(pairs: list[Pair], vectors: dict[str, np.ndarray], fillers: Seq
             for i, text in enumerate(stored)]
 
 
+def variant_forms(metas: list[EntryMeta]) -> dict[str, EntryMeta]:
+    """The stored questions by their normalized form (`variants.normalized_question`), the first
+    stored of each: what the gateway serves, before the judge, to a question of the same form."""
+    forms: dict[str, EntryMeta] = {}
+    for meta in metas:
+        forms.setdefault(normalized_question(meta.query or ""), meta)
+    return forms
+
+
 class StagedCache:
     """The stored questions as a gateway holds them: every one sketched; an embedding enters the
     judge's index only once some lookup's cheap stage named its question, or a lookup about to hit
-    needed its sketch neighbourhood (`SemanticStage`)."""
+    needed its sketch neighbourhood (`SemanticStage`). A question of a stored one's normalized form
+    is served that one, as a trivial variant, before any of it."""
 
     def __init__(self, metas: list[EntryMeta], sketcher: Sketcher) -> None:
+        self.variants = variant_forms(metas)
         self.sketcher = sketcher
         self.sketches = sketches_index(sketcher.dimensions)
         self.sketches.add(metas)
@@ -200,6 +214,9 @@ class StagedCache:
         self.num_judged = 0
 
     def match(self, text: str, vector: np.ndarray, verifier: Verifier) -> Match | None:
+        variant = self.variants.get(normalized_question(text))
+        if variant is not None:
+            return Match(variant, 1.0, 1.0)
         sketch = self.sketcher.sketch(text)
         named = plausible(self.sketches, PARTITION, sketch, text, self.sketcher.floor(text), self.sketcher.prejudge,
                           0.0)
@@ -235,20 +252,25 @@ def judged(pair: Pair, score: float | None, returned: str | None, dups: Duplicat
     if returned is None:
         return Outcome(None, False, False, pair.label)
     strict = pair.label == 1 and returned == pair.a
+    copy = normalized(returned) == normalized(pair.b) or normalized_question(returned) == normalized_question(pair.b)
     return Outcome(score, strict, strict or (dups is not None and dups.right(pair, returned)), pair.label,
-                   strict or normalized(returned) == normalized(pair.b))
+                   strict or copy)
 
 
 def score(pairs: Iterable[Pair], index: VectorIndex | StagedCache, vectors: dict[str, np.ndarray],
-          verifier: Verifier, dups: Duplicates | None = None) -> list[Outcome]:
-    """Per query: what the gateway serves (`StagedCache`: cheap stage, then the judge), or what the
-    judge alone would serve with every stored question embedded (a `VectorIndex`), judged."""
+          verifier: Verifier, dups: Duplicates | None = None,
+          variants: dict[str, EntryMeta] | None = None) -> list[Outcome]:
+    """Per query: what the gateway serves (`StagedCache`: a trivial variant, the cheap stage, then
+    the judge), or what the judge alone would serve with every stored question embedded (a
+    `VectorIndex`; trivial variants first too, from `variants`), judged."""
     results = []
     for pair in pairs:
         if isinstance(index, StagedCache):
             match = index.match(pair.b, vectors[pair.b], verifier)
         else:
-            match = best_match(index, PARTITION, vectors[pair.b], pair.b, verifier, 0.0)
+            variant = (variants or {}).get(normalized_question(pair.b))
+            match = Match(variant, 1.0, 1.0) if variant is not None else \
+                best_match(index, PARTITION, vectors[pair.b], pair.b, verifier, 0.0)
         results.append(judged(pair, match.probability if match else None, match.meta.query if match else None, dups))
     return results
 
@@ -374,7 +396,8 @@ def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifi
     index = build_index(pairs, vectors, fillers)
     queries = without_exact_twins(pairs)
     with Stage("judge alone (every question embedded)", len(queries), unit="lookup", enabled=progress) as stage:
-        alone = score(stage.iterate(queries), index, vectors, verifier, dups)
+        alone = score(stage.iterate(queries), index, vectors, verifier, dups,
+                      variant_forms(stored_metas(pairs, vectors, fillers)))
     staged = StagedCache(stored_metas(pairs, vectors, fillers, sketcher), sketcher) if sketcher else None
     ruled_out: list[bool] = []
     outcomes = alone
@@ -424,20 +447,24 @@ def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifi
 
 def print_report(result: dict[str, Any], title: str) -> None:
     print(title)
-    print(f"{'strict (a hit is right only on its own pair)':46} {'precision (95% CI)':>22} {'recall':>7} "
-          f"{'false hits/lookup (95% CI)':>28} {'hits':>5} {'lookups':>7}")
+    print("copies right first (a hit on the asked question itself, stored under another pair, is right: the same "
+          "question has the same answer), the strict reading beside it (right only on the pair's own a)")
+    print(f"{'':40} {'copies right':>12} {'':7} | {'strict':>22} {'':7} {'false hits/lookup':>28}")
+    print(f"{'':40} {'precision':>12} {'recall':>7} | {'precision (95% CI)':>22} {'recall':>7} "
+          f"{'(strict, 95% CI)':>28} {'hits':>5} {'lookups':>7}")
     rows = [("all", result), *sorted(result["languages"].items())]
     for name, row in rows:
         if name == "other":
-            print(f"  {'other languages: exact cache only':44} {'-':>22} {'-':>7} {'-':>28} {row['hits']:5d} "
-                  f"{row['lookups']:7d}")
+            print(f"  {'other languages: exact cache only':38} {'-':>12} {'-':>7} | {'-':>22} {'-':>7} {'-':>28} "
+                  f"{row['hits']:5d} {row['lookups']:7d}")
             continue
-        base = row["baseline"]
+        base, copies = row["baseline"], row["copies_right"]
         p_lo, p_hi = row["precision_ci"]
         f_lo, f_hi = row["false_hit_rate_ci"]
-        print(f"  {'kvgate, ' + name:44} {row['precision']:6.3f} ({p_lo:.3f}-{p_hi:.3f}) {row['recall']:7.3f} "
+        print(f"  {'kvgate, ' + name:38} {copies['precision']:12.3f} {copies['recall']:7.3f} | "
+              f"{row['precision']:6.3f} ({p_lo:.3f}-{p_hi:.3f}) {row['recall']:7.3f} "
               f"{row['false_hit_rate']:10.4f} ({f_lo:.4f}-{f_hi:.4f}) {row['hits']:5d} {row['lookups']:7d}")
-        print(f"  {'cosine >= ' + str(base['threshold']) + ', ' + name + ' (same recall)':44} "
+        print(f"  {'cosine >= ' + str(base['threshold']) + ', ' + name + ' (same strict recall)':38} {'':12} {'':7} | "
               f"{base['precision']:6.3f} {'':15} {base['recall']:7.3f} {base['false_hit_rate']:10.4f} {'':17} "
               f"{int(base['hits']):5d}")
     for name, row in rows:
@@ -452,10 +479,6 @@ def print_report(result: dict[str, Any], title: str) -> None:
     print(f"secondary, duplicate-aware (also right on a question the file's label-1 pairs link to b; "
           f"meaningful on QQP-like files only): precision {dup['precision']:.3f}, recall {dup['recall']:.3f}, "
           f"cosine at that recall {dup['baseline']['precision']:.3f}")
-    copies = result["copies_right"]
-    print(f"secondary, copies right (also right on the asked question itself, equal after lowercasing and "
-          f"dropping punctuation, stored under another pair): precision {copies['precision']:.3f}, "
-          f"recall {copies['recall']:.3f}")
 
 
 def pairs_from(path: Path, flag: str) -> list[Pair] | str:

@@ -32,7 +32,7 @@ def test_default_run_uses_the_packaged_sample_and_reports_strict_first(tmp_path:
     assert set(report["languages"]) <= {"en", "zh", "other"} and report["languages"]
     low, high = report["precision_ci"]
     assert 0.0 <= low <= report["precision"] <= high <= 1.0
-    assert "duplicate_aware" in report and "baseline" in report
+    assert "duplicate_aware" in report and "baseline" in report and "copies_right" in report
 
 
 def test_progress_is_one_display_per_stage_in_plain_lines_off_a_terminal(tmp_path: Path) -> None:
@@ -44,7 +44,7 @@ def test_progress_is_one_display_per_stage_in_plain_lines_off_a_terminal(tmp_pat
     done = [line.split(": done, ")[0] for line in result.stderr.splitlines() if ": done, " in line]
     assert done == ["embedding", "judge alone (every question embedded)", "staged lookup (as served)",
                     "cosine baseline", "timed lookups, kvgate", "timed lookups, cosine only"]
-    assert "strict (a hit is right only on its own pair)" in result.stdout
+    assert "copies right first" in result.stdout and "the strict reading beside it" in result.stdout
 
 
 def test_an_extra_set_is_evaluated_in_a_cache_of_its_own(tmp_path: Path) -> None:
