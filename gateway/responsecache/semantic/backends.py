@@ -123,10 +123,10 @@ def validated(model: Any, reference: Any) -> Any:
 
 
 def open_backend(kind: str, *, model: str | None, url: str | None, api_key: str | None,
-                 engine: str = "auto") -> Any:
+                 engine: str = "auto", encoder_path: str = "auto") -> Any:
     """The configured backend, validated (the built-in model is the reference and needs none;
-    `engine` says what runs it, `embedder.load_model`)."""
-    builtin = load_model(engine=engine)
+    `engine` and `encoder_path` say what runs it, `embedder.load_model`)."""
+    builtin = load_model(engine=engine, encoder_path=encoder_path)
     if kind == "builtin":
         return builtin
     if kind == "sentence-transformers":

