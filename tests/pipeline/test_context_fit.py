@@ -5,6 +5,7 @@ refusals that say what to do or why nothing can be done."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,6 +112,9 @@ def test_compaction_in_several_calls_each_beginning_with_the_previous_prefix(fro
     usage = again.json()["usage"]
     continued_blocks = tokens({"messages": sent}) // 64 * 64
     assert usage["prompt_tokens_details"]["cached_tokens"] >= continued_blocks - 64, usage
+    print(json.dumps({"conversation_tokens": tokens(body), "summary_calls": [
+        {"prompt_tokens": u["prompt_tokens"], "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
+        for u in calls], "next_turn": {k: usage[k] for k in ("prompt_tokens", "cache_read_input_tokens")}}))
 
 
 def test_compaction_streams(front: Gateway) -> None:
