@@ -1,10 +1,13 @@
 """The judge looks past the nearest stored question (`semantic.match.judge`), with the real model
 and the shipped verifier: a paraphrase stored behind a closer question that a veto rules out (another
-number, another negation) is judged as if that one were not stored, and served; the vetoed one never
-is, nor is anything when only vetoed questions are stored."""
+number, another negation) is judged as if that one were not stored, and served (by the judge, and
+through the gateway, whose cheap stage leaves the vetoed one out of the prejudge's neighbourhood
+too); the vetoed one never is, nor is anything when only vetoed questions are stored. Before this,
+the judge turned each of these paraphrases down (probabilities 0.57, 0.69, 0.50)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +19,8 @@ from gateway.responsecache.semantic.judge import Verifier, hard_negative
 from gateway.responsecache.semantic.match import judge
 from gateway.responsecache.settings import ResponseCacheSettings
 from gateway.responsecache.store import EntryMeta
+from tests.conftest import Gateway
+from tests.responsecache.conftest import Client, cache_gateway
 
 PARTITION = PartitionKey("judge-candidates")
 
@@ -66,3 +71,20 @@ def test_a_vetoed_question_alone_is_never_served(embedding_model: Any, verifier:
     vector = encode(embedding_model, [asked])[0]
     judgement = judge(_index(embedding_model, [vetoed]), PARTITION, vector, asked, verifier, 0.0)
     assert judgement.match is None and judgement.probability == 0.0
+
+
+@pytest.fixture(scope="module")
+def gw(fake_upstream: str, tmp_path_factory: pytest.TempPathFactory, embedding_model: Any) -> Iterator[Gateway]:
+    with cache_gateway(fake_upstream, f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('judge-k') / 'kvgate.db'}") as g:
+        yield g
+
+
+@pytest.mark.parametrize("asked, vetoed, paraphrase", CASES)
+def test_through_the_gateway_the_paraphrase_behind_is_served(gw: Gateway, asked: str, vetoed: str,
+                                                            paraphrase: str) -> None:
+    client = Client(gw)
+    space = {"x-kvgate-cache-namespace": f"behind-{CASES.index((asked, vetoed, paraphrase))}"}
+    paraphrased = client.miss_then_stored(paraphrase, headers=space).content
+    client.miss_then_stored(vetoed, headers={**space, "x-kvgate-semantic-threshold": "1.0"})
+    hit = client.chat(asked, headers={**space, "cache-control": "no-store"})
+    assert hit.cache == "hit-semantic" and hit.content == paraphrased, hit.headers.get("x-kvgate-semantic-ruled-out")
