@@ -93,7 +93,9 @@ def plausible_with_chance(sketches: VectorIndex, partition: PartitionKey, sketch
         return Plausible([c.meta for _, c in within], 1.0, nearest=cosines[0])
     # As in `judge`: a neighbour a veto rules out is another question, so it is not embedded and
     # does not crowd the candidates behind it in the prejudge's features either.
-    kept = [c.meta.query is None or hard_negative(query, c.meta.query) is None for c in candidates]
+    # Only those within the floor are checked (20-45 us each): below it a cosine counts as the floor.
+    kept = [c.similarity < floor or c.meta.query is None or hard_negative(query, c.meta.query) is None
+            for c in candidates]
     if not any(kept[rank] for rank, _ in within):
         return Plausible([], 0.0, RULED_OUT_VETO, cosines[0])
     context = [c for c, keep in zip(candidates, kept, strict=True) if keep]
@@ -103,7 +105,8 @@ def plausible_with_chance(sketches: VectorIndex, partition: PartitionKey, sketch
     for rank, c in enumerate(context[:k]):
         if c.similarity < floor:
             break
-        estimate, why = prejudge.chance(query, language, c.meta.query or "", rank, context_cosines, floor)
+        estimate, why = prejudge.chance(query, language, c.meta.query or "", rank, context_cosines, floor,
+                                        vetted=True)
         chance, reason = max(chance, estimate), reason or why
     named = [c.meta for rank, c in within if kept[rank]]
     return Plausible(named, chance, nearest=cosines[0]) if chance > 0 else Plausible([], 0.0, reason, cosines[0])

@@ -70,15 +70,17 @@ class Prejudge:
         return 1.0 / (1.0 + math.exp(-max(min(z, 40.0), -40.0)))
 
     def chance(self, query: str, language: Language | None, cached: str, rank: int, cosines: list[float],
-               floor: float) -> tuple[float, str | None]:
+               floor: float, vetted: bool = False) -> tuple[float, str | None]:
         """The probability that the judge serves `cached` for `query` (in `language`), as the trees
         estimate it, 1 for a language with no trained threshold (the floor alone decides, as before);
         or 0 when it is too low to be worth embedding both (`RULED_OUT_PREJUDGE`) or a veto rules it
-        out (`RULED_OUT_VETO`), with that reason."""
+        out (`RULED_OUT_VETO`), with that reason. `vetted`: the caller has checked the vetoes."""
         threshold = self.thresholds.get(language) if language is not None else None
         probability = 1.0 if threshold is None else \
             self.probability(features(query, cached, rank, cosines, floor, language))
         if threshold is not None and probability < threshold:
             return 0.0, RULED_OUT_PREJUDGE
         # The vetoes last: they cost more than the trees, and most candidates fail the trees.
-        return (0.0, RULED_OUT_VETO) if hard_negative(query, cached) is not None else (probability, None)
+        if not vetted and hard_negative(query, cached) is not None:
+            return 0.0, RULED_OUT_VETO
+        return probability, None
