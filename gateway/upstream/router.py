@@ -146,9 +146,7 @@ class Router:
             for b in up:
                 matched[b.name] = max(matched[b.name], self.slots.warm_blocks(b.name, blocks, salt) * tokens)
         if held is not None and self.settings.route_on_kv_events and any(held.get(b.name) for b in up):
-            # What the servers' KV events say they hold. When none holds any of it, the approximate
-            # index stands: the server kvgate last sent this prefix to is where a KV connector's host
-            # tier most likely still has it (a memcpy away, where another server reads it from Redis).
+            # None holding any: the index stands (where kvgate sent it, a connector's host tier has it).
             matched.update({b.name: held[b.name] for b in up if b.name in held})
         strategy = self.settings.strategy
         if strategy == Strategy.ROUND_ROBIN:

@@ -36,6 +36,7 @@ from bench.vllm_servers import (
 from gateway.kvcache.blocks import BlockLayout
 from gateway.kvcache.keys import ChainKeyer
 from gateway.observability.kv_tiers import connector_rows
+from gateway.vllm.layout import describe
 
 PYTHON = find_vllm_python()
 pytestmark = pytest.mark.skipif(PYTHON is None, reason=f"no vLLM: {WHERE}")
@@ -126,7 +127,7 @@ def block_keys(server: VllmServer, messages: list[dict[str, str]]) -> list[str]:
     body = {"model": MODEL_NAME, "messages": messages, "add_generation_prompt": True}
     tokens = httpx.post(server.url + "/tokenize", timeout=30, json=body).json()["tokens"]
     layout = BlockLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=BLOCK, dtype=torch.bfloat16)
-    keyer = ChainKeyer(BLOCK, "kvgate-kv-v1", MODEL_NAME, layout.dtype_name, layout.describe())
+    keyer = ChainKeyer(BLOCK, "kvgate-kv-v1", MODEL_NAME, layout.dtype_name, describe(layout))
     return [PREFIX + h.hex() for h in keyer.hash_blocks("", tokens)]
 
 
