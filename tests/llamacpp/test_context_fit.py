@@ -17,9 +17,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
+from gateway.pipeline.compaction import CompactionSettings
 from tests.llamacpp.test_differences import MODEL, Servers, kvgate, sentences
 
 SLOT_TOKENS = 4096
@@ -50,21 +52,27 @@ def test_a_history_twice_the_slot_is_compacted_in_calls_that_share_their_prefix(
     messages = long_conversation()
     assert len(messages) == 40
     body = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0}
-    with kvgate(tmp_path, servers) as front:
-        refused = front.post("/chat/completions", body)
+    # Summaries of 64 tokens: three or four summary calls take minutes on two busy cores.
+    with kvgate(tmp_path, servers, compaction=CompactionSettings(max_summary_tokens=64)) as front:
+
+        def post(payload: dict[str, Any], **headers: str) -> httpx.Response:
+            return httpx.post(front.url + "/v1/chat/completions", json=payload, timeout=900,
+                              headers={"authorization": f"Bearer {front.key}", **headers})
+
+        refused = post(body)
         assert refused.status_code == 400, refused.text
         error = refused.json()["error"]
         assert error["code"] == "context_length_exceeded" and "x-kvgate-compact: on" in error["message"]
         prompt_tokens = int(error["message"].split("your request has ")[1].split()[0])
 
-        compacted = front.post("/chat/completions", body, headers={"x-kvgate-compact": "on"})
+        compacted = post(body, **{"x-kvgate-compact": "on"})
         assert compacted.status_code == 200, compacted.text
         assert compacted.headers["x-kvgate-compacted"] == "38"  # all but the instructions and the question
         answer = compacted.json()
         compaction = answer["kvgate"]["compaction"]
         calls = compaction["calls"]
         assert len(calls) >= 2, calls
-        assert all(u["prompt_tokens"] + 256 <= SLOT_TOKENS for u in calls), calls
+        assert all(u["prompt_tokens"] + 64 <= SLOT_TOKENS for u in calls), calls
         # Each call after the first begins with what the one before it began with (the instructions,
         # then the summary so far): the slot had it, llama.cpp counts it as cached.
         assert all(cached(u) >= 150 and u["usage_source"] == "upstream" for u in calls[1:]), calls
@@ -72,7 +80,7 @@ def test_a_history_twice_the_slot_is_compacted_in_calls_that_share_their_prefix(
         reply = {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}
         next_turn = {**body, "messages": [messages[0], compaction["message"], messages[-1], reply,
                                           {"role": "user", "content": "And part 1?"}]}
-        followed = front.post("/chat/completions", next_turn, headers={"x-kvgate-compact": "on"})
+        followed = post(next_turn, **{"x-kvgate-compact": "on"})
         assert followed.status_code == 200, followed.text
         assert "x-kvgate-compacted" not in followed.headers
         usage = followed.json()["usage"]
@@ -92,7 +100,7 @@ def test_responses_truncation_auto_answers_and_disabled_is_a_400(llama_servers: 
     messages = long_conversation()
     items: Any = [{"role": m["role"], "content": m["content"]} for m in messages[1:]]
     with kvgate(tmp_path, servers) as front:
-        client = openai.OpenAI(base_url=front.url + "/v1", api_key=front.key, max_retries=0, timeout=300)
+        client = openai.OpenAI(base_url=front.url + "/v1", api_key=front.key, max_retries=0, timeout=900)
         raw = client.responses.with_raw_response.create(model=MODEL, instructions=SYSTEM, input=items,
                                                         truncation="auto", max_output_tokens=16)
         response = raw.parse()
