@@ -76,8 +76,9 @@ class Proxy:
                 try:
                     if await self._fit.apply(call, prepared.cut):
                         prepared = prepared.with_body(call.body)  # the router's blocks: what is sent
-                except GatewayError as exc:  # its summary calls fitted themselves: no refit here
-                    return await self._failed(call, started, prepared, exc, lookup, flight, refit=False)
+                except GatewayError:
+                    call.refits = MAX_REFITS  # kvgate's own refusal, or a summary call's: final
+                    raise
             if call.stream:
                 return await StreamRun(self, call, started, lookup, flight).open(prepared)
             salt = tenant_salt(call.principal.tenant)
@@ -148,13 +149,13 @@ class Proxy:
         return EventStream(events, {**lookup.headers, "x-request-id": call.request_id, **prepared.headers})
 
     async def _failed(self, call: Call, started: float, prepared: Prepared, exc: GatewayError,
-                      lookup: Lookup | None, flight: Flight | None, *, refit: bool = True) -> Result:
+                      lookup: Lookup | None, flight: Flight | None) -> Result:
         """An error: the upstream's refusal as too long is fitted again, with its numbers, when the
         client opted in (compaction or truncation); else logged and raised."""
         if is_context_overflow(exc) and call.route in (Route.CHAT, Route.RESPONSES):
             if not self._fit.wanted(call) and call.compaction is None:
                 exc.message += HOW_TO_OPT_IN if call.route == Route.CHAT else HOW_TO_OPT_IN_RESPONSES
-            elif refit and call.refits < MAX_REFITS:
+            elif call.refits < MAX_REFITS:
                 call.refits += 1
                 self._fit.learn(call, exc)
                 try:
