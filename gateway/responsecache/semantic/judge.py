@@ -228,9 +228,10 @@ class Verifier:
         return 1.0 / (1.0 + math.exp(-max(min(z, 40.0), -40.0)))
 
     def verify(self, u: np.ndarray, v: np.ndarray, query: str, cached: str, rank: int = 0,
-               cosines: list[float] | None = None) -> Verdict:
+               cosines: list[float] | None = None, vetted: bool = False) -> Verdict:
         """One candidate: the `rank`-th neighbour of `query`, `cosines` the neighbours' cosines
-        (descending); without them the candidate is taken as the only neighbour."""
+        (descending); without them the candidate is taken as the only neighbour. `vetted`: the
+        caller has checked the vetoes (`semantic.match.judge`)."""
         language = language_of(query)
         threshold = self.thresholds.get(language) if language is not None else None
         if language is None or threshold is None:
@@ -238,7 +239,7 @@ class Verifier:
         cosine = float(np.dot(u, v))
         if cosine < self.min_cosine:
             return Verdict(False, 0.0, "cosine")
-        reason = hard_negative(query, cached)
+        reason = None if vetted else hard_negative(query, cached)
         if reason is not None:
             return Verdict(False, 0.0, reason)
         features = self.features(u, v, query, cached, rank, cosines or [cosine], language)

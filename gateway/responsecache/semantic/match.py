@@ -25,7 +25,7 @@ import numpy as np
 
 from gateway.responsecache.keys import PartitionKey
 from gateway.responsecache.lookup import RULED_OUT_EMPTY, RULED_OUT_FAR, RULED_OUT_VETO
-from gateway.responsecache.semantic.index import VectorIndex
+from gateway.responsecache.semantic.index import Candidate, VectorIndex
 from gateway.responsecache.semantic.judge import Verifier, hard_negative
 from gateway.responsecache.semantic.language import language_of
 from gateway.responsecache.semantic.prejudge import Prejudge
@@ -153,16 +153,23 @@ def judge(index: VectorIndex, partition: PartitionKey, vector: np.ndarray, text:
     # One neighbour past the candidates: the last candidate's margin to the next is a feature. A
     # few more, to stand in for vetoed ones.
     found = index.search(partition, vector, NUM_CANDIDATES + 1 + VETOED_SPARE)
-    kept = [c.meta.query is None or hard_negative(text, c.meta.query) is None for c in found]
-    if not all(kept[:NUM_CANDIDATES]):
-        highest = 0.0  # what the verifier says of a vetoed candidate
-    candidates = [c for c, keep in zip(found, kept, strict=True) if keep][:NUM_CANDIDATES + 1]
+    candidates: list[Candidate] = []
+    for i, c in enumerate(found):
+        if len(candidates) > NUM_CANDIDATES:
+            break
+        # The vetoes cost 20-200 us a pair: checked once, and only where the verifier would get to
+        # them (under its cosine floor a candidate is turned down first, and counts as the floor).
+        if c.similarity >= verifier.min_cosine and c.meta.query is not None \
+                and hard_negative(text, c.meta.query) is not None:
+            highest = 0.0 if i < NUM_CANDIDATES else highest  # what the verifier says of a vetoed one
+            continue
+        candidates.append(c)
     cosines = [c.similarity for c in candidates]
     for rank, candidate in enumerate(candidates[:NUM_CANDIDATES]):
         meta = candidate.meta
         if meta.expires_at <= now or meta.embedding is None or meta.query is None:
             continue
-        verdict = verifier.verify(vector, meta.embedding, text, meta.query, rank, cosines)
+        verdict = verifier.verify(vector, meta.embedding, text, meta.query, rank, cosines, vetted=True)
         highest = verdict.probability if highest is None else max(highest, verdict.probability)
         if verdict.accepted and (best is None or verdict.probability > best.probability):
             best = Match(meta, candidate.similarity, verdict.probability)
