@@ -79,7 +79,8 @@ def _limits(limits: Any) -> dict[str, Any]:
 
 @router.get("/keys")
 async def keys(services: ServicesDep, _: AdminDep,
-               tenant: Annotated[str | None, Query(min_length=1, max_length=128)] = None) -> Response:
+               tenant: Annotated[str | None, Query(min_length=1, max_length=128,
+                                                   pattern=r"^[^\x00-\x1f\x7f]+$")] = None) -> Response:
     found = await list_keys(services.sessions, tenant)
     return json_response({"object": "list", "data": [await _described(services, k) for k in found]})
 
@@ -126,7 +127,8 @@ async def update_tenant(name: NAME, request: Request, services: ServicesDep, _: 
 @router.get("/spend")
 async def spend(services: ServicesDep, _: AdminDep, by: Literal["key", "tenant", "model"] = "key",
                 since: Annotated[str, Query(max_length=16)] = "30d",
-                tenant: Annotated[str | None, Query(min_length=1, max_length=128)] = None) -> Response:
+                tenant: Annotated[str | None, Query(min_length=1, max_length=128,
+                                                   pattern=r"^[^\x00-\x1f\x7f]+$")] = None) -> Response:
     """Cost and savings per UTC day and `by` (key prefix, tenant or model), newest day first."""
     try:
         window = parse_duration(since)

@@ -215,6 +215,9 @@ def test_bad_limits_are_refused_with_a_clear_error(gw: Gateway) -> None:
         assert answer.status_code == 422 and answer.json()["error"]["param"] == param, answer.text
     answer = httpx.post(gw.base_url + "/admin/keys", json={"tenant": "x"}, headers={"authorization": "Bearer nope"})
     assert answer.status_code == 401
+    # A NUL in the tenant filter: the client's error (PostgreSQL would refuse it as a 500).
+    answer = httpx.get(gw.base_url + "/admin/keys", params={"tenant": "a\x00b"}, headers=ADMIN)
+    assert answer.status_code == 422 and answer.json()["error"]["param"] == "query.tenant", answer.text
 
 
 @pytest.fixture
