@@ -1,5 +1,8 @@
 """`/metrics`, `/dashboard` and the dashboard's JSON data API.
 
+`/metrics` asks for a key unless `metrics_public` is on: the admin key, or `metrics_key`, a key that
+opens nothing else (what Prometheus scrapes with).
+
 The dashboard page and its assets are a static shell that holds no data: a browser cannot send a
 bearer header on navigation, so the page asks for the admin key, keeps it in `sessionStorage` and
 sends it to the data API (`/dashboard/api/summary`), which refuses anything but the admin key.
@@ -8,12 +11,14 @@ Every asset is served from this package (no CDN), under a CSP that forbids any o
 
 from __future__ import annotations
 
+import hmac
 from datetime import UTC, datetime
 from importlib.resources import files
 from typing import Any
 
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import SecretStr
 from starlette.responses import Response
 
 from gateway.api.deps import AdminDep, MetricsDep, ServicesDep, require_admin
@@ -36,9 +41,15 @@ dashboard_router = APIRouter(prefix="/dashboard")
 
 @metrics_router.get("/metrics")
 async def metrics_endpoint(request: Request, metrics: MetricsDep) -> Response:
-    if metrics.settings.metrics_require_admin_key:
+    if not metrics.settings.metrics_public and not _is_metrics_key(request, metrics.settings.metrics_key):
         await require_admin(request)
     return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _is_metrics_key(request: Request, key: SecretStr | None) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    secret = key.get_secret_value().encode() if key is not None else b""  # an empty setting is no key
+    return bool(secret) and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), secret)
 
 
 def _asset(name: str) -> bytes:

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 
 class ObservabilitySettings(BaseModel):
     # Serve Prometheus metrics at /metrics.
     metrics_enabled: bool = True
-    # /metrics asks for the admin key too (off: scrapers reach it without one, as Prometheus expects).
-    metrics_require_admin_key: bool = False
+    # /metrics answers without a key. Off (the default), it asks for the admin key or `metrics_key`:
+    # its figures (tenants, models, traffic, spend) are not for whoever can reach the API port.
+    metrics_public: bool = False
+    # A key that opens /metrics and nothing else: what Prometheus scrapes with (its
+    # `authorization: {credentials_file: ...}`), so that the scraper holds no admin key.
+    metrics_key: SecretStr | None = None
     # Serve the dashboard at /dashboard and its data API (admin key only).
     dashboard_enabled: bool = True
     # Log lines as JSON objects (one per line) or as plain text.

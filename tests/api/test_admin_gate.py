@@ -9,7 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.observability.settings import ObservabilitySettings
 from tests.conftest import ADMIN_SECRET, Gateway, start_gateway
+
+METRICS_KEY = "kvg-metrics-scrape-only"
 
 ADMIN_ROUTES = ["/admin/response-cache/stats", "/dashboard/api/summary"]
 
@@ -18,6 +21,42 @@ ADMIN_ROUTES = ["/admin/response-cache/stats", "/dashboard/api/summary"]
 def open_gateway(fake_upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     database_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('noauth') / 'kvgate.db'}"
     yield from start_gateway(fake_upstream, database_url, no_auth=True, admin_key=None)
+
+
+@pytest.fixture(scope="module")
+def scraped_gateway(fake_upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    database_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('scrape') / 'kvgate.db'}"
+    yield from start_gateway(fake_upstream, database_url,
+                             observability=ObservabilitySettings(metrics_key=METRICS_KEY))
+
+
+def test_metrics_ask_for_a_key_by_default(gateway: Gateway) -> None:
+    refused = httpx.get(gateway.base_url + "/metrics")
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    tenant = httpx.get(gateway.base_url + "/metrics", headers={"authorization": f"Bearer {gateway.api_key}"})
+    assert tenant.status_code == 403
+    admin = httpx.get(gateway.base_url + "/metrics", headers={"authorization": f"Bearer {ADMIN_SECRET}"})
+    assert admin.status_code == 200 and "kvgate_requests_total" in admin.text
+    # no metrics key configured: an empty bearer opens nothing
+    assert httpx.get(gateway.base_url + "/metrics", headers={"authorization": "Bearer"}).status_code == 401
+
+
+def test_the_metrics_key_opens_metrics_and_nothing_else(scraped_gateway: Gateway) -> None:
+    scrape = {"authorization": f"Bearer {METRICS_KEY}"}
+    assert httpx.get(scraped_gateway.base_url + "/metrics", headers=scrape).status_code == 200
+    assert httpx.get(scraped_gateway.base_url + "/metrics",
+                     headers={"authorization": f"Bearer {METRICS_KEY}x"}).status_code == 401
+    for path in ADMIN_ROUTES:
+        assert httpx.get(scraped_gateway.base_url + path, headers=scrape).status_code == 401
+    chat = httpx.post(scraped_gateway.v1 + "/chat/completions", headers=scrape,
+                      json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 401
+
+
+def test_public_metrics_when_asked(fake_upstream: str, tmp_path: Path) -> None:
+    database_url = f"sqlite+aiosqlite:///{tmp_path / 'kvgate.db'}"
+    for gateway in start_gateway(fake_upstream, database_url, observability=ObservabilitySettings(metrics_public=True)):
+        assert httpx.get(gateway.base_url + "/metrics").status_code == 200
 
 
 @pytest.mark.parametrize("path", ADMIN_ROUTES)

@@ -96,15 +96,16 @@ class Stack:
 
     def __init__(self, project: str = PROJECT, files: tuple[str, ...] = TEST_FILES, **env: str) -> None:
         self.project, self.files = project, files
-        self.gateway_first = free_port_range(4)
+        self.lb_port = free_port_range(1)
         self.prometheus_port = free_port_range(1)
         self.admin_key = "kvg-admin-" + os.urandom(8).hex()
+        self.metrics_key = "kvg-metrics-" + os.urandom(8).hex()
         # The compose file has no default PostgreSQL password, and reads the env file a user's .env would be.
         self.env_file = Path(tempfile.mkdtemp(prefix="kvgate-deploy-")) / "kvgate.env"
         self.env_file.write_text(f"KVGATE_MAX_BODY_BYTES={ENV_FILE_MAX_BODY_BYTES}\n")
         self.env = dict(os.environ, KVGATE_ADMIN_KEY=self.admin_key, KVGATE_POSTGRES_PASSWORD=os.urandom(8).hex(),
                         KVGATE_ENV_FILE=str(self.env_file),
-                        KVGATE_GATEWAY_PORTS=f"{self.gateway_first}-{self.gateway_first + 3}",
+                        KVGATE_LB_PORT=str(self.lb_port), KVGATE_METRICS_KEY=self.metrics_key,
                         KVGATE_PROMETHEUS_PORT=str(self.prometheus_port), KVGATE_LOG_LEVEL="info", **env)
         self.timings: list[tuple[str, float]] = []
 
@@ -136,17 +137,24 @@ class Stack:
         ids = self.compose("ps", "-q", service).stdout.split()
         return bool(ids) and all(self.state(i).get("Health", {}).get("Status") == "healthy" for i in ids)
 
+    @property
+    def lb_url(self) -> str:
+        """The stack's one address: the load balancer's host port."""
+        return f"http://127.0.0.1:{self.lb_port}"
+
+    def address(self, container: str) -> str:
+        """A container's address on the compose network (the host reaches it; nothing is published)."""
+        return subprocess.run(["docker", "inspect", "--format", "{{range .NetworkSettings.Networks}}"
+                               "{{.IPAddress}}{{end}}", container], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
     def gateway_urls(self) -> list[str]:
-        """One base URL per gateway replica, through the host ports compose published."""
-        count = len(self.compose("ps", "-q", "gateway").stdout.split())
-        urls = []
-        for index in range(1, count + 1):
-            address = self.compose("port", "--index", str(index), "gateway", "8080").stdout.strip()
-            urls.append("http://127.0.0.1:" + address.rsplit(":", 1)[1])
-        return urls
+        """One base URL per running gateway replica, on the compose network (replicas publish no port)."""
+        ids = self.compose("ps", "-q", "gateway").stdout.split()
+        return sorted(f"http://{self.address(i)}:8080" for i in ids if self.state(i).get("Running"))
 
     def metrics(self, base_url: str) -> str:
-        response = httpx.get(base_url + "/metrics", headers={"authorization": f"Bearer {self.admin_key}"},
+        response = httpx.get(base_url + "/metrics", headers={"authorization": f"Bearer {self.metrics_key}"},
                              timeout=10)
         response.raise_for_status()
         return response.text

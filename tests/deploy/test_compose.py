@@ -30,9 +30,19 @@ def test_services_ports_volumes_healthchecks() -> None:
     assert services["grafana"]["profiles"] == ["grafana"]
     for name in ("gateway", "engine-1", "engine-2", "redis", "postgres"):
         assert "healthcheck" in services[name], f"{name} has no healthcheck"
-    # the gateway scales: a port range on the host, no container_name
-    assert services["gateway"]["ports"] == ["${KVGATE_GATEWAY_PORTS:-8080-8083}:8080"]
-    assert "container_name" not in services["gateway"]
+    # the gateway scales behind lb (HAProxy): replicas publish no port and have no container_name
+    assert "ports" not in services["gateway"] and "container_name" not in services["gateway"]
+    assert services["lb"]["ports"] == ["${KVGATE_LB_PORT:-8080}:8080"]
+    haproxy = (ROOT / "deploy" / "haproxy.cfg").read_text()
+    assert "server-template gateway 8 gateway:8080" in haproxy and "option httpchk GET /healthz" in haproxy
+    # only lb answers on every interface of the host; the rest on 127.0.0.1 or the compose network only
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert name == "lb" or port.startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    # /metrics asks for a key: Prometheus scrapes the replicas with the one compose gives both
+    assert services["gateway"]["environment"]["KVGATE_OBSERVABILITY__METRICS_KEY"].startswith("${KVGATE_METRICS_KEY:?")
+    assert "credentials_file: /prometheus/metrics-key" in (ROOT / "deploy" / "prometheus.yml").read_text()
+    assert "/prometheus/metrics-key" in " ".join(services["prometheus"]["entrypoint"])
     assert "pgdata:/var/lib/postgresql/data" in services["postgres"]["volumes"]
     # each engine keeps its own disk tier; they share the Redis tier
     assert services["engine-1"]["volumes"] == ["kvcache-1:/data/kvcache"]
@@ -162,7 +172,7 @@ def test_keys_create_in_the_gateway_container_uses_the_stack_database(monkeypatc
     assert one_liner in (ROOT / "docker-compose.yml").read_text()
     from dotenv import dotenv_values
 
-    shell = {PASSWORD: "s3cret"}
+    shell = {PASSWORD: "s3cret", "KVGATE_METRICS_KEY": "scrape"}
     environment = {k: v or "" for k, v in dotenv_values(ROOT / ".env.example").items()}
     environment |= {k: interpolate(str(v), shell) for k, v in compose()["services"]["gateway"]["environment"].items()}
     for key in [k for k in os.environ if k.startswith("KVGATE_")]:
@@ -172,6 +182,8 @@ def test_keys_create_in_the_gateway_container_uses_the_stack_database(monkeypatc
     settings = Settings(_env_file=None)
     assert settings.database_url == "postgresql+asyncpg://kvgate:s3cret@postgres:5432/kvgate"
     assert [u.name for u in settings.upstreams] == ["engine-1", "engine-2"]
+    assert settings.observability.metrics_key is not None
+    assert settings.observability.metrics_key.get_secret_value() == "scrape"
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
@@ -184,7 +196,7 @@ def test_docker_compose_config_validates(files: list[str], tmp_path: Path) -> No
     env_file = tmp_path / "kvgate.env"
     env_file.write_text("KVGATE_USAGE__PRICES={}\n")
     command = ["docker-compose", *(arg for f in files for arg in ("-f", f)), "config", "-q"]
-    env = {**os.environ, PASSWORD: "s3cret", "KVGATE_ENV_FILE": str(env_file)}
+    env = {**os.environ, PASSWORD: "s3cret", "KVGATE_METRICS_KEY": "scrape", "KVGATE_ENV_FILE": str(env_file)}
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
     del env[PASSWORD]

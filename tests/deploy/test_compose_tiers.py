@@ -17,6 +17,9 @@ from gateway.kvcache.factory import tier_budgets
 from gateway.settings import Settings
 from tests.deploy.test_compose import PASSWORD, interpolate
 
+# what a user's shell gives compose: the two required secrets
+SHELL = {PASSWORD: "s3cret", "KVGATE_METRICS_KEY": "scrape"}
+
 ROOT = Path(__file__).resolve().parents[2]
 # docker-compose.yml alone and with each overlay the docs name.
 STACKS = [
@@ -79,11 +82,11 @@ def env_example() -> dict[str, str]:
 def test_env_example_switches_off_no_tier_compose_turns_on(files: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Compose's own tiers are those of a `.env` holding only the password it requires; with all of
     `.env.example` (and that password) each service runs at least those tiers, with the same budgets."""
-    example = env_example() | {PASSWORD: "s3cret"}
+    example = env_example() | SHELL
     for name, service in merged(files).items():
         if "env_file" not in service:
             continue  # not a kvgate container
-        compose_own = tiers_in_force(resolved_environment(service, {PASSWORD: "s3cret"}), monkeypatch)
+        compose_own = tiers_in_force(resolved_environment(service, SHELL), monkeypatch)
         with_example = tiers_in_force(resolved_environment(service, example), monkeypatch)
         switched_off = sorted(set(compose_own) - set(with_example))
         assert not switched_off, f"{name}: .env.example switches off {switched_off}"
@@ -109,5 +112,5 @@ def test_env_example_keeps_compose_defaults() -> None:
 def test_the_check_catches_a_tier_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """The old `.env.example` line (`DISK_CAPACITY_BYTES=0`) resolves to an engine without its disk tier."""
     engine = merged(["docker-compose.yml"])["engine-1"]
-    dotenv = env_example() | {PASSWORD: "s3cret", "KVGATE_KVCACHE__DISK_CAPACITY_BYTES": "0"}
+    dotenv = env_example() | SHELL | {"KVGATE_KVCACHE__DISK_CAPACITY_BYTES": "0"}
     assert "kvcache.disk" not in tiers_in_force(resolved_environment(engine, dotenv), monkeypatch)

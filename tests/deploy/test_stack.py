@@ -9,29 +9,16 @@ starts containers for several minutes, so the ordinary pytest run skips it with 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
-import pytest
 
-from tests.deploy.stack import (
-    ENGINES,
-    ENV_FILE_MAX_BODY_BYTES,
-    MODEL,
-    ROOT,
-    Stack,
-    docker_unavailable,
-    eventually,
-    write_behind_settled,
-)
+from tests.deploy.stack import ENGINES, ENV_FILE_MAX_BODY_BYTES, MODEL, Stack, eventually, write_behind_settled
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "How do I reset the password of my wifi router?"
@@ -40,39 +27,6 @@ PARAPHRASE = "How can I reset my wifi router password?"
 MANUAL = ("You are the support assistant of a home network company. Routers have a reset button on the "
           "back; holding it for ten seconds restores the factory settings, including the wifi password "
           "printed on the label underneath. ") * 4
-
-
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    reason = docker_unavailable()
-    if reason:
-        pytest.skip(reason)
-    stack = Stack()
-    stack.compose("down", "-v", "--remove-orphans", check=False)
-    start = time.monotonic()
-    built = subprocess.run([str(ROOT / "deploy" / "build-images")], cwd=ROOT, capture_output=True, text=True,
-                           env=dict(os.environ, PYTHON=sys.executable), timeout=1800)
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    steps = " ".join(line.removeprefix("build-images: ") for line in built.stdout.splitlines()
-                     if line.startswith("build-images: "))
-    stack.log("build", time.monotonic() - start, f"({steps})")
-    try:
-        start = time.monotonic()
-        stack.compose("up", "-d", "--no-build")
-        url = stack.gateway_urls()[0]
-        eventually(lambda: stack.healthy("gateway") and httpx.get(url + "/readyz", timeout=5).status_code == 200,
-                   300, "gateway healthy and ready")
-        stack.log("up", time.monotonic() - start, "(cold start to healthy: postgres, redis, migrate, "
-                  "2 engines, gateway, prometheus)")
-        yield stack
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        start = time.monotonic()
-        stack.compose("down", "-v", "--remove-orphans", check=False)
-        stack.log("down", time.monotonic() - start)
-        print("deploy: summary " + ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in stack.timings))
 
 
 def client(stack: Stack, base_url: str) -> openai.OpenAI:
@@ -103,7 +57,7 @@ def metric(text: str, name: str, upstream: str) -> float:
 
 
 def test_miss_exact_semantic_and_kv_reuse(stack: Stack) -> None:
-    url = stack.gateway_urls()[0]
+    url = stack.lb_url  # what a client is given: the load balancer's address
     sdk = client(stack, url)
     start = time.monotonic()
     cache, first = chat(sdk, ask(QUESTION), max_tokens=200)
@@ -132,10 +86,7 @@ def test_miss_exact_semantic_and_kv_reuse(stack: Stack) -> None:
 def test_engines_share_the_redis_kv_tier(stack: Stack) -> None:
     """A prefix computed by engine-1 is restored by engine-2 (asked directly, same tenant salt)."""
     def address(service: str) -> str:
-        name = stack.container(service)
-        ip = subprocess.run(["docker", "inspect", "--format", "{{range .NetworkSettings.Networks}}{{.IPAddress}}"
-                             "{{end}}", name], capture_output=True, text=True, check=True).stdout.strip()
-        return f"http://{ip}:8081"
+        return f"http://{stack.address(stack.container(service))}:8081"
 
     body = {"model": MODEL, "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "system", "content": MANUAL + uuid.uuid4().hex},
@@ -239,7 +190,7 @@ def test_env_file_reaches_the_gateway_and_keys_are_created_in_the_stack(stack: S
     key = created.stdout.strip()
     assert key.startswith("kvg-") and created.stdout == key + "\n", created.stdout
     assert "kvgate: database postgresql+asyncpg://kvgate:***@postgres:5432/kvgate" in created.stderr.splitlines()
-    url = stack.gateway_urls()[0]
+    url = stack.lb_url
     sdk = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
     assert MODEL in [m.id for m in sdk.models.list()]
     padding = b"x" * ENV_FILE_MAX_BODY_BYTES

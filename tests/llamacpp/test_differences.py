@@ -82,7 +82,7 @@ class Front:
 
     def retries(self) -> dict[tuple[str, str], float]:
         """kvgate_upstream_retries_total by (upstream, cause)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", headers=ADMIN, timeout=10).text
         return {(s.labels["upstream"], s.labels["cause"]): s.value
                 for family in text_string_to_metric_families(text) if family.name == "kvgate_upstream_retries"
                 for s in family.samples if s.name == "kvgate_upstream_retries_total"}

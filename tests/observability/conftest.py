@@ -54,7 +54,7 @@ def obs_metrics(obs_app: tuple[Gateway, FastAPI]) -> Metrics:
 
 def scrape(gateway: Gateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of /metrics, keyed by (sample name, sorted labels)."""
-    text = httpx.get(gateway.base_url + "/metrics", timeout=10).raise_for_status().text
+    text = httpx.get(gateway.base_url + "/metrics", headers=ADMIN, timeout=10).raise_for_status().text
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -82,7 +82,7 @@ def flush_request_log(gateway: Gateway) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         summary = httpx.get(gateway.base_url + "/dashboard/api/summary", headers=ADMIN, timeout=10).json()
-        made = httpx.get(gateway.base_url + "/metrics", timeout=10).text
+        made = httpx.get(gateway.base_url + "/metrics", headers=ADMIN, timeout=10).text
         total = sum(s.value for f in text_string_to_metric_families(made) if f.name == "kvgate_requests"
                     for s in f.samples if s.name == "kvgate_requests_total")
         if summary["overview"]["requests"] >= total:

@@ -70,7 +70,7 @@ def test_prefix_breaks_appear_on_dashboard_and_metrics(obs_gateway: Gateway, obs
     data = httpx.get(obs_gateway.base_url + "/dashboard/api/summary", headers=ADMIN).json()
     assert data["prefix_breaks"][0]["reason"] == SYSTEM_EDITED
     assert data["prefix_breaks"][0]["block_index"] == 3
-    metrics = httpx.get(obs_gateway.base_url + "/metrics").text
+    metrics = httpx.get(obs_gateway.base_url + "/metrics", headers=ADMIN).text
     assert f'kvgate_prefix_breaks_total{{reason="{SYSTEM_EDITED}"}} 1.0' in metrics
 
 

@@ -61,7 +61,7 @@ def test_no_keys_or_prompts_in_logs_metrics_or_dashboard(obs_gateway: Gateway, c
                                              obs_gateway.api_key, ADMIN_KEY)
     flush_request_log(obs_gateway)
     logs = captured.getvalue()
-    metrics = httpx.get(obs_gateway.base_url + "/metrics").text
+    metrics = httpx.get(obs_gateway.base_url + "/metrics", headers=ADMIN).text
     summary = httpx.get(obs_gateway.base_url + "/dashboard/api/summary", headers=ADMIN).text
     page = httpx.get(obs_gateway.base_url + "/dashboard").text
     assert "[redacted]" in logs
