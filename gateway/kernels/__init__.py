@@ -32,6 +32,11 @@ def _extension() -> ctypes.CDLL | None:
     return ctypes.CDLL(spec.origin)
 
 
+def built() -> bool:
+    """Whether the extension was built at install (whatever of it this CPU runs)."""
+    return _extension() is not None
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built extension, or None where it was not built or the CPU cannot run its engine

@@ -61,6 +61,16 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     return Installed(bin_dir, work, env)
 
 
+def test_the_wheel_carries_the_compiled_kernels(installed: Installed) -> None:
+    """Built where a C compiler is (as here, and in the images' build stage), the wheel holds kvgate's
+    kernels: an install from it needs no compiler and embeds on them."""
+    wheel = next(installed.cwd.parent.joinpath("dist").glob("kvgate-*.whl"))
+    assert wheel.name.endswith("-linux_x86_64.whl") or "manylinux" in wheel.name, wheel.name
+    loaded = installed.run("python", "-c", "import gateway.kernels as k; print(k.built(), ','.join(k.encoder_paths()))")
+    built, paths = loaded.stdout.split()
+    assert built == "True" and paths, loaded.stdout + loaded.stderr
+
+
 def test_no_torch_and_no_engine_packages(installed: Installed) -> None:
     listed = installed.run("pip", "list", "--format=freeze").stdout.lower()
     names = {line.split("==")[0] for line in listed.splitlines()}
