@@ -1,13 +1,13 @@
 """The request log: one row per request, written in batches off the request path.
 
-`RequestLogWriter.record` only appends to a bounded queue; a background task inserts batches,
-at most one insert per `flush_interval_s`, so that the database costs a few statements a second
-however busy the gateway is. A full queue or a failing database drops rows (counted); it never
-delays or fails a response.
+`RequestLogWriter.record` only appends to a bounded queue; a background task writes what is
+queued every `flush_interval_s`, in batches of at most `batch_size` rows, back to back while rows
+are waiting, so that the database costs a few statements a second at a steady rate and a backlog
+is written in large batches. A full queue (`max_queue` rows) or a failing database drops rows
+(`num_dropped`, on /metrics and the dashboard); it never delays or fails a response.
 
-Rows are made to fit their columns before they are written (strings clipped to the column's
-length, NUL removed: PostgreSQL text cannot hold it), and a batch that still fails is retried row
-by row, so one bad row costs only itself, never the other rows of its batch.
+A batch that fails is retried row by row, so one bad row costs only itself, never the other rows
+of its batch. How a batch is written (binary COPY on PostgreSQL): persistence/log_insert.py.
 """
 
 from __future__ import annotations
@@ -15,96 +15,51 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
-from enum import StrEnum
-from typing import Any
+from dataclasses import dataclass
 
-from sqlalchemy import String, insert
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.persistence.database import describe_db_error
-from gateway.persistence.models import RequestLog
+from gateway.persistence.log_insert import LogInserter, row_values
+from gateway.persistence.request_record import RefusalReason, RequestRecord
+
+__all__ = ["Backlog", "RefusalReason", "RequestLogWriter", "RequestRecord"]
 
 log = logging.getLogger(__name__)
 
 
-class RefusalReason(StrEnum):
-    """Why the gateway refused a request before any upstream saw it (the log's `refusal` column)."""
-
-    AUTH = "auth"          # 401: no key, or one the gateway does not know
-    REQUESTS = "requests"  # 429: a key's or tenant's requests per minute (gateway/limits)
-    TOKENS = "tokens"      # 429: its tokens per minute
-    PARALLEL = "parallel"  # 429: its concurrent requests
-    BUDGET = "budget"      # 429 insufficient_quota: its budget is spent
-
-
 @dataclass(slots=True)
-class RequestRecord:
-    request_id: str
-    tenant: str
-    route: str
-    model: str | None
-    status: int
-    total_ms: float
-    upstream: str | None = None
-    stream: bool = False
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    ttfb_ms: float | None = None
-    error_type: str | None = None
-    cache: str | None = None
-    cache_creation_tokens: int | None = None
-    condensed_from_tokens: int | None = None
-    semantic_skipped: str | None = None
-    semantic_stage: str | None = None
-    key_prefix: str | None = None
-    cost_usd: float | None = None  # set by the writer's `price` (usage/accounting.py: price_row)
-    saved_usd: float | None = None
-    refusal: RefusalReason | None = None
-    created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+class Backlog:
+    """The writer's state: rows recorded and not yet written (the batch being written included),
+    how long the oldest of them has waited (None when none waits), rows written and dropped."""
 
-
-def _string_limits() -> dict[str, int]:
-    return {c.name: c.type.length for c in RequestLog.__table__.columns
-            if isinstance(c.type, String) and c.type.length}
-
-
-_LIMITS = _string_limits()
-
-
-def fit_text(value: str, limit: int | None) -> str:
-    """`value` without NUL and other C0 controls, clipped to `limit` characters."""
-    if not value.isprintable():
-        value = "".join(ch for ch in value if ch >= " " or ch in "\t\n")
-    return value[:limit] if limit else value
-
-
-def column_values(row: RequestRecord) -> dict[str, Any]:
-    values = asdict(row)
-    for name, limit in _LIMITS.items():
-        if isinstance(values.get(name), str):
-            values[name] = fit_text(values[name], limit)
-    return values
+    num_queued: int
+    oldest_age_s: float | None
+    num_written: int
+    num_dropped: int
+    max_queue: int
 
 
 class RequestLogWriter:
     def __init__(
-        self, sessions: async_sessionmaker, batch_size: int = 256, max_queue: int = 100_000,
+        self, sessions: async_sessionmaker, batch_size: int = 4096, max_queue: int = 100_000,
         flush_interval_s: float = 0.25, price: Callable[[RequestRecord], None] | None = None,
     ) -> None:
-        self._sessions = sessions
+        self._inserter = LogInserter(sessions)
         # Sets a row's cost and saving before anyone sees it (budgets are charged from them).
         self._price = price
         self._batch_size = batch_size
+        self._max_queue = max_queue
         self._flush_interval_s = flush_interval_s
-        self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=max_queue)
+        # (time.monotonic() when recorded, row), oldest first; `_writing` is the batch in flight.
+        self._queue: deque[tuple[float, RequestRecord]] = deque()
+        self._writing: list[tuple[float, RequestRecord]] = []
         self._task: asyncio.Task[None] | None = None
         self.num_dropped = 0
         self.num_written = 0
-        self._busy = False
         # Called with every recorded row, on the request path (metrics): must be cheap, never raise.
         self.observers: list[Callable[[RequestRecord], None]] = []
 
@@ -113,10 +68,16 @@ class RequestLogWriter:
             self._price(row)
         for observe in self.observers:
             observe(row)
-        try:
-            self._queue.put_nowait(row)
-        except asyncio.QueueFull:
+        if len(self._queue) >= self._max_queue:
             self.num_dropped += 1
+            return
+        self._queue.append((time.monotonic(), row))
+
+    def backlog(self) -> Backlog:
+        oldest = self._writing[0][0] if self._writing else self._queue[0][0] if self._queue else None
+        return Backlog(num_queued=len(self._queue) + len(self._writing),
+                       oldest_age_s=None if oldest is None else time.monotonic() - oldest,
+                       num_written=self.num_written, num_dropped=self.num_dropped, max_queue=self._max_queue)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="request-log-writer")
@@ -128,53 +89,46 @@ class RequestLogWriter:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        await self._flush_pending()
+        await self._write_queued()
 
     async def flush(self) -> None:
         """Wait until every row recorded so far has been written (tests, shutdown)."""
-        while not self._queue.empty() or self._busy:
+        while self._queue or self._writing:
             await asyncio.sleep(0.01)
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._flush_interval_s)
-            while rows := self._drain(self._batch_size):
-                self._busy = True
-                try:
-                    await self._write(rows)
-                finally:
-                    self._busy = False
+            await self._write_queued()
 
-    def _drain(self, limit: int) -> list[RequestRecord]:
-        rows: list[RequestRecord] = []
-        while len(rows) < limit and not self._queue.empty():
-            rows.append(self._queue.get_nowait())
-        return rows
+    async def _write_queued(self) -> None:
+        while self._queue:
+            take = min(len(self._queue), self._batch_size)
+            self._writing = [self._queue.popleft() for _ in range(take)]
+            try:
+                await self._write([row_values(row) for _, row in self._writing])
+            except asyncio.CancelledError:
+                # Stopped mid-batch: `stop` writes it again (twice, if the database had it, beats never).
+                self._queue.extendleft(reversed(self._writing))
+                raise
+            finally:
+                self._writing = []
 
-    async def _flush_pending(self) -> None:
-        while rows := self._drain(self._batch_size):
-            await self._write(rows)
-
-    async def _write(self, rows: list[RequestRecord]) -> None:
-        values = [column_values(r) for r in rows]
+    async def _write(self, rows: list[tuple]) -> None:
         try:
-            await self._insert(values)
+            await self._inserter.insert_many(rows)
             self.num_written += len(rows)
             return
         except Exception as exc:
-            if len(values) == 1:
+            if len(rows) == 1:
                 self.num_dropped += 1
                 # The error's class only: its text would quote the row.
                 log.error("request log: dropped 1 row (%s)", describe_db_error(exc))
                 return
-        for one in values:
+        for one in rows:
             try:
-                await self._insert([one])
+                await self._inserter.insert_one(one)
                 self.num_written += 1
             except Exception as exc:
                 self.num_dropped += 1
                 log.error("request log: dropped 1 row of a failed batch (%s)", describe_db_error(exc))
-
-    async def _insert(self, values: list[dict[str, Any]]) -> None:
-        async with self._sessions() as session, session.begin():
-            await session.execute(insert(RequestLog), values)
