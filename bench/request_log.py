@@ -12,8 +12,9 @@ the answers its clients have received with the rows in the request log:
     queued_after_2s     answered requests without their row 2 s after the load stopped
     rows_lost           requests without their row once the count stops moving
     dropped             the gateway's kvgate_request_log_dropped_rows_total at the end
-    gw_max_queued       the gateway's own kvgate_request_log_queued_rows, highest sample ("-": the
-                        tree has no such metric)
+    gw_max_queued, gw_max_oldest_s   the gateway's own kvgate_request_log_queued_rows and
+                        kvgate_request_log_oldest_queued_seconds, highest sample ("-": the tree has no
+                        such metric); max_oldest_s is only as fine as the samples (0.5 s)
 
 `--baseline REF` runs the same load, in the same run, through the gateway of git revision REF
 (extracted with `git archive` into a temporary folder), for the request log that REF writes.
@@ -51,6 +52,7 @@ class Backlog:
     max_rows: int = 0
     max_oldest_s: float = 0.0
     gateway_max_queued: int | None = None
+    gateway_max_oldest_s: float | None = None
     history_t: list[float] = field(default_factory=list)
     history_answered: list[int] = field(default_factory=list)
 
@@ -81,7 +83,24 @@ async def _written(engine: Any) -> int:
         return int(await conn.scalar(select(func.max(RequestLog.id))) or 0)
 
 
-async def _load_and_watch(url: str, port: int, key: str, args: argparse.Namespace) -> tuple[Load, Backlog, int]:
+async def _scrape(port: int, headers: dict[str, str], backlog: Backlog, load: asyncio.Task[Load]) -> None:
+    """The gateway's own queued-rows gauge, while the load runs (a busy gateway answers late)."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=30) as client:
+        while not load.done():
+            try:
+                text = (await client.get("/metrics")).text
+            except httpx.HTTPError:
+                continue
+            gauges = _gauges(text)
+            if (queued := gauges.get("kvgate_request_log_queued_rows")) is not None:
+                backlog.gateway_max_queued = max(backlog.gateway_max_queued or 0, int(queued))
+            if (oldest := gauges.get("kvgate_request_log_oldest_queued_seconds")) is not None:
+                backlog.gateway_max_oldest_s = max(backlog.gateway_max_oldest_s or 0.0, oldest)
+            await asyncio.sleep(SAMPLE_S)
+
+
+async def _load_and_watch(url: str, port: int, key: str, metrics: dict[str, str],
+                          args: argparse.Namespace) -> tuple[Load, Backlog, int]:
     from gateway.persistence.database import make_engine
 
     engine = make_engine(url)
@@ -89,16 +108,13 @@ async def _load_and_watch(url: str, port: int, key: str, args: argparse.Namespac
     base = await _written(engine)  # the warm-up's rows
     task = asyncio.create_task(run_load(port, key, concurrency=args.concurrency, duration_s=args.duration,
                                         no_store=True, tag=secrets.token_hex(4), load=load))
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-        while True:
-            answered = len(load.latencies_ms)
-            backlog.observe(time.monotonic(), answered, await _written(engine) - base)
-            queued = _gauges((await client.get("/metrics")).text).get("kvgate_request_log_queued_rows")
-            if queued is not None:
-                backlog.gateway_max_queued = max(backlog.gateway_max_queued or 0, int(queued))
-            if task.done():
-                break
-            await asyncio.sleep(SAMPLE_S)
+    scraper = asyncio.create_task(_scrape(port, metrics, backlog, task))
+    while not task.done():
+        written = await _written(engine) - base
+        # Answers counted after the rows: a slow query overstates the backlog, never hides it.
+        backlog.observe(time.monotonic(), len(load.latencies_ms), written)
+        await asyncio.sleep(SAMPLE_S)
+    await scraper
     await asyncio.sleep(2.0)
     queued_after = max(len(load.latencies_ms) - (await _written(engine) - base), 0)
     await engine.dispose()
@@ -110,8 +126,10 @@ def run_case(tree: str, source: Path, kind: str, fake_port: int, tmp: Path, args
         url = stack.enter_context(_database(kind, tmp))
         gateway = [sys.executable, "-m", "gateway"]
         subprocess.run([*gateway, "migrate", "--database-url", url], cwd=source, capture_output=True, check=True)
-        key = subprocess.run([*gateway, "keys", "create", "--tenant", "bench", "--database-url", url], cwd=source,
-                             capture_output=True, text=True, check=True).stdout.strip()
+        key, admin = (subprocess.run([*gateway, "keys", "create", *flags, "--database-url", url], cwd=source,
+                                     capture_output=True, text=True, check=True).stdout.strip()
+                      for flags in (["--tenant", "bench"], ["--admin"]))
+        metrics = {"authorization": f"Bearer {admin}"}  # a tree may ask for a key on /metrics
         port = _free_port()
         stack.enter_context(_process(
             [*gateway, "serve", "--port", str(port), "--upstream", f"fake=http://127.0.0.1:{fake_port}/v1",
@@ -120,9 +138,9 @@ def run_case(tree: str, source: Path, kind: str, fake_port: int, tmp: Path, args
                  "KVGATE_RESPONSECACHE__SEMANTIC": "false"}))
         asyncio.run(run_load(port, key, concurrency=4, duration_s=1.0, no_store=True, tag="warm"))
         warm_logged, _ = _settled_counts(url)
-        load, backlog, queued_after = asyncio.run(_load_and_watch(url, port, key, args))
+        load, backlog, queued_after = asyncio.run(_load_and_watch(url, port, key, metrics, args))
         logged, _ = _settled_counts(url)
-        dropped = _gauges(httpx.get(f"http://127.0.0.1:{port}/metrics").text).get(
+        dropped = _gauges(httpx.get(f"http://127.0.0.1:{port}/metrics", headers=metrics).text).get(
             "kvgate_request_log_dropped_rows_total", 0)
     rate = load.requests / args.duration
     return {"tree": tree, "db": kind, "requests": load.requests, "req_per_s": round(rate),
@@ -130,6 +148,7 @@ def run_case(tree: str, source: Path, kind: str, fake_port: int, tmp: Path, args
             "max_oldest_s": round(backlog.max_oldest_s, 1), "queued_after_2s": queued_after,
             "rows_lost": load.requests - (logged - warm_logged), "dropped": int(dropped),
             "gw_max_queued": "-" if backlog.gateway_max_queued is None else backlog.gateway_max_queued,
+            "gw_max_oldest_s": "-" if backlog.gateway_max_oldest_s is None else round(backlog.gateway_max_oldest_s, 2),
             "errors": load.errors}
 
 
