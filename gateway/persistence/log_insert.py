@@ -2,7 +2,7 @@
 one executemany INSERT in one transaction elsewhere (SQLite).
 
 Rows become plain tuples in `RequestRecord`'s field order, which is the table's column order less
-`id`. Measured on a 2-core Intel Xeon VM (batches of 256 rows on PostgreSQL): `dataclasses.asdict`
+`id`. Measured on a 2-core AMD EPYC VM (batches of 256 rows on PostgreSQL): `dataclasses.asdict`
 cost 56 µs of CPU a row, more than the whole INSERT; an `attrgetter` tuple costs 0.5 µs, and COPY
 spends about half the gateway's CPU of SQLAlchemy's executemany and a fraction of PostgreSQL's.
 

@@ -158,8 +158,8 @@ function tiles(o, writes, responseCache, requestLog) {
     // This replica's rows not yet in the database; past max_queue they are dropped (KVGATE_REQUEST_LOG_MAX_QUEUE).
     const oldest = requestLog.oldest_age_s == null ? "none waiting" : "oldest waited " + requestLog.oldest_age_s.toFixed(1) + " s";
     items.push(["Request log queued", num(requestLog.num_queued),
-                oldest + "; " + num(requestLog.num_dropped) + " rows dropped, " + num(requestLog.num_written) +
-                " written since start (this replica; holds " + num(requestLog.max_queue) + ")"]);
+                oldest + "; " + num(requestLog.num_dropped) + " dropped, " + num(requestLog.num_written) +
+                " written (this replica, since start; queue of " + num(requestLog.max_queue) + ")"]);
   }
   const feedback = responseCache && responseCache.feedback;
   if (feedback) {
