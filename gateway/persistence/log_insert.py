@@ -1,10 +1,10 @@
 """How a batch of request-log rows reaches the database: one binary COPY on PostgreSQL (asyncpg),
 one executemany INSERT in one transaction elsewhere (SQLite).
 
-Rows become plain tuples in `RequestRecord`'s field order, which is the table's column order less
-`id`. Measured on a 2-core AMD EPYC VM (batches of 256 rows on PostgreSQL): `dataclasses.asdict`
-cost 56 µs of CPU a row, more than the whole INSERT; an `attrgetter` tuple costs 0.5 µs, and COPY
-spends about half the gateway's CPU of SQLAlchemy's executemany and a fraction of PostgreSQL's.
+Rows become plain tuples in `RequestRecord`'s field order (the columns less `id`). Measured on a
+2-core AMD EPYC VM under other load, batches of 256 rows on PostgreSQL, the gateway's CPU a row:
+`dataclasses.asdict` (the previous writer's) 56 µs, an `attrgetter` tuple 0.5 µs; SQLAlchemy's
+executemany 28-39 µs and 100-116 µs of wall time, COPY 6 µs and 31-38 µs.
 
 Rows are made to fit their columns first (strings clipped to the column's length, NUL and other C0
 controls removed: PostgreSQL text cannot hold NUL), so that a bad value costs nothing on the fast
