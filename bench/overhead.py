@@ -102,11 +102,12 @@ def _free_port() -> int:
 
 @contextmanager
 def _process(
-    cmd: list[str], ready_url: str, env: dict[str, str] | None = None, timeout_s: float = 120
+    cmd: list[str], ready_url: str, env: dict[str, str] | None = None, timeout_s: float = 120, cwd: Path = REPO
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Start a server, wait until `ready_url` answers, yield its process."""
+    """Start a server, wait until `ready_url` answers, yield its process (`cwd`: the source tree that
+    `python -m gateway` runs)."""
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout_s
         while True:

@@ -71,8 +71,10 @@ async def _stream_once(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     return status, b"".join(p[:-2] for p in parts)
 
 
-async def run_load(port: int, key: str, *, concurrency: int, duration_s: float, no_store: bool, tag: str) -> Load:
-    load = Load()
+async def run_load(port: int, key: str, *, concurrency: int, duration_s: float, no_store: bool, tag: str,
+                   load: Load | None = None) -> Load:
+    """`load`: counted into as the run goes (a sampler beside it reads it)."""
+    load = load if load is not None else Load()
     headers = f"authorization: Bearer {key}\r\n" + ("cache-control: no-store\r\n" if no_store else "")
     stop_at = time.monotonic() + duration_s
 

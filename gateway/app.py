@@ -126,8 +126,8 @@ def create_app(settings: Settings) -> FastAPI:
         db = make_engine(settings.database_url, pool_size=settings.db_pool_size,
                          max_overflow=settings.db_max_overflow, pool_timeout_s=settings.db_pool_timeout_s)
         sessions = make_sessionmaker(db)
-        request_log = RequestLogWriter(sessions, batch_size=settings.request_log_batch,
-                                       price=row_pricer(settings.price_for))
+        request_log = RequestLogWriter(settings.database_url, batch_size=settings.request_log_batch,
+                                       max_queue=settings.request_log_max_queue, price=row_pricer(settings.price_for))
         request_log.start()
         gate = open_gate(settings.limits, sessions, settings.database_url)
         if gate is not None:

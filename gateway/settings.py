@@ -59,7 +59,10 @@ class Settings(BaseSettings):
     upstream: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_level: str = "info"
     log_prompts: bool = False
-    request_log_batch: int = Field(default=256, gt=0)
+    request_log_batch: int = Field(default=4096, gt=0)
+    # Rows the request log holds in memory while the database is slow or down; past it rows are
+    # dropped (counted: kvgate_request_log_dropped_rows_total, the dashboard's request-log tile).
+    request_log_max_queue: int = Field(default=100_000, gt=0)
     key_cache_ttl_s: float = 30.0
     # Give requests with x-kvgate-session and no prompt_cache_key one derived from tenant and session.
     derive_prompt_cache_key: bool = False

@@ -33,6 +33,7 @@ BENCHMARKS = {
     "singleflight": "bench.singleflight",
     "agent-session": "bench.agent_session",
     "reliability": "bench.reliability",
+    "request-log": "bench.request_log",
     "cascade": "bench.cascade",
     "fuse": "bench.fuse",
     "embed": "bench.embed",

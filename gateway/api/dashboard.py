@@ -12,6 +12,7 @@ Every asset is served from this package (no CDN), under a CSP that forbids any o
 from __future__ import annotations
 
 import hmac
+from dataclasses import asdict
 from datetime import UTC, datetime
 from importlib.resources import files
 from typing import Any
@@ -79,6 +80,8 @@ async def dashboard_summary(services: ServicesDep, metrics: MetricsDep, _: Admin
     summary["kv_tiers"] = ((kv_tiers(metrics) or await remote_tier_rows(metrics.live.router))
                            + await slot_tier_rows(metrics.live.router) + await vllm_tier_rows(metrics.live.router))
     summary["upstreams"] = upstreams(metrics)
+    # This replica's writer: rows queued, the oldest's wait, rows written and dropped since start.
+    summary["request_log"] = asdict(services.request_log.backlog())
     summary["prefix_breaks"] = [
         {"time": b.created_at, "reason": b.reason, "tenant": b.tenant, "model": b.model, "block_index": b.block_index}
         for b in reversed(metrics.recent_breaks)

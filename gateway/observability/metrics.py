@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from gateway.kvcache.manager import KVCacheManager
     from gateway.limits.gate import Gate
     from gateway.observability.settings import ObservabilitySettings
-    from gateway.persistence.request_log import RequestLogWriter, RequestRecord
+    from gateway.persistence.request_log import Backlog, RequestLogWriter, RequestRecord
     from gateway.slots.keeper import SlotKeeper
     from gateway.upstream.router import Router
 from gateway.usage.settings import Price
@@ -224,8 +224,7 @@ class LiveCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         if self.request_log is not None:
-            yield CounterMetricFamily("kvgate_request_log_dropped_rows", "Request-log rows dropped (queue full, "
-                                      "database down)", value=self.request_log.num_dropped)
+            yield from request_log_metrics(self.request_log.backlog())
         if self.router is not None:
             yield from upstream_metrics(self.router)
         if self.engine is not None:
@@ -245,6 +244,16 @@ class LiveCollector(Collector):
             for kind, count in sorted(self.gate.refused.items()):
                 refused.add_metric([kind], count)
             yield refused
+
+
+def request_log_metrics(backlog: Backlog) -> Iterator[Metric]:
+    yield CounterMetricFamily("kvgate_request_log_dropped_rows", "Request-log rows dropped (queue full, "
+                              "database down, a row the database refused)", value=backlog.num_dropped)
+    yield CounterMetricFamily("kvgate_request_log_written_rows", "Request-log rows written", value=backlog.num_written)
+    yield GaugeMetricFamily("kvgate_request_log_queued_rows", "Request-log rows recorded and not yet written "
+                            "(past KVGATE_REQUEST_LOG_MAX_QUEUE they are dropped)", value=backlog.num_queued)
+    yield GaugeMetricFamily("kvgate_request_log_oldest_queued_seconds", "How long the oldest request-log row not "
+                            "yet written has waited (0 when none waits)", value=backlog.oldest_age_s or 0.0)
 
 
 def upstream_metrics(router: Router) -> Iterator[Metric]:

@@ -119,7 +119,7 @@ async def test_bad_row_does_not_drop_its_batch(log_db_url: str) -> None:
     await upgrade_async(log_db_url)
     engine = make_engine(log_db_url)
     try:
-        writer = RequestLogWriter(make_sessionmaker(engine), batch_size=64)
+        writer = RequestLogWriter(log_db_url, batch_size=64)
         stamp = str(time.monotonic_ns())
         good = [RequestRecord(f"{stamp}-{i}", "team", "chat.completions", "fake-model", 200, 1.0) for i in range(20)]
         bad = RequestRecord(f"{stamp}-bad", "team", "chat.completions", "m\x00" + "x" * 300, 404, 1.0,

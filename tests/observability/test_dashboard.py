@@ -60,6 +60,9 @@ def test_summary_shows_tenants_models_and_hits(obs_gateway: Gateway) -> None:
     writes = data["cache_writes"]
     assert writes["writes"] == writes["writes_never_read"] == 0, "no Anthropic-style upstream here"
     assert isinstance(writes["entries_never_read"], int) and writes["entries_never_read"] >= 0
+    log = data["request_log"]  # this replica's writer, flushed above
+    assert (log["num_queued"], log["oldest_age_s"], log["num_dropped"]) == (0, None, 0) and log["num_written"] >= 2
+    assert log["max_queue"] == 100_000
     bad = httpx.get(obs_gateway.base_url + "/dashboard/api/summary?since=soon", headers=ADMIN)
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "since"
 
@@ -72,6 +75,8 @@ def test_prefix_breaks_appear_on_dashboard_and_metrics(obs_gateway: Gateway, obs
     assert data["prefix_breaks"][0]["block_index"] == 3
     metrics = httpx.get(obs_gateway.base_url + "/metrics", headers=ADMIN).text
     assert f'kvgate_prefix_breaks_total{{reason="{SYSTEM_EDITED}"}} 1.0' in metrics
+    for name in ("queued_rows", "oldest_queued_seconds", "written_rows_total", "dropped_rows_total"):
+        assert f"\nkvgate_request_log_{name} " in metrics
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +143,8 @@ def test_dashboard_in_a_real_browser(obs_gateway: Gateway, chromium: object, rep
         reports = page.locator("#tiles .tile", has_text="Hits reported wrong").inner_text()
         assert f"Hits reported wrong\n{wrong['wrong']}\n{wrong['entries_reported_wrong']} entries" in reports
         assert wrong["wrong"] >= 1
+        request_log = page.locator("#tiles .tile", has_text="Request log queued").inner_text()
+        assert "none waiting; 0 dropped" in request_log and "this replica" in request_log
         # Charts: an SVG per chart, with points for the requests just made.
         for chart in ("chart-rps", "chart-hits", "chart-efficiency"):
             assert page.locator(f"#{chart} svg").count() == 1

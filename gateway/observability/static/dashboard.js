@@ -125,7 +125,7 @@ function table(node, columns, rows, empty = "nothing yet") {
   }
 }
 
-function tiles(o, writes, responseCache) {
+function tiles(o, writes, responseCache, requestLog) {
   const t = $("tiles");
   t.replaceChildren();
   const saved = sum(o.cost_saved_usd.response_cache, o.cost_saved_usd.kv_cache);
@@ -153,6 +153,13 @@ function tiles(o, writes, responseCache) {
     items.push(["Cache writes never read", num(writes.writes_never_read),
                 num(writes.write_tokens_never_read) + " provider write tokens; " +
                 num(writes.entries_never_read) + " response-cache entries unserved"]);
+  }
+  if (requestLog) {
+    // This replica's rows not yet in the database; past max_queue they are dropped (KVGATE_REQUEST_LOG_MAX_QUEUE).
+    const oldest = requestLog.oldest_age_s == null ? "none waiting" : "oldest waited " + requestLog.oldest_age_s.toFixed(1) + " s";
+    items.push(["Request log queued", num(requestLog.num_queued),
+                oldest + "; " + num(requestLog.num_dropped) + " dropped, " + num(requestLog.num_written) +
+                " written (this replica, since start; queue of " + num(requestLog.max_queue) + ")"]);
   }
   const feedback = responseCache && responseCache.feedback;
   if (feedback) {
@@ -222,7 +229,7 @@ const GROUP_COLUMNS = [
 ];
 
 function render(data) {
-  tiles(data.overview, data.cache_writes, data.response_cache);
+  tiles(data.overview, data.cache_writes, data.response_cache, data.request_log);
   const pts = data.series.points;
   const labels = pts.map((p) => p.t);
   lineChart($("chart-rps"), labels, [{ name: "requests/s", values: pts.map((p) => p.rps) }]);
