@@ -17,7 +17,7 @@ from dataclasses import fields
 from operator import attrgetter
 from typing import Any
 
-from sqlalchemy import String, insert
+from sqlalchemy import String, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from gateway.persistence.models import RequestLog
@@ -75,6 +75,15 @@ class LogInserter:
                     RequestLog.__tablename__, records=rows, columns=COLUMNS)
             return
         await self._execute([dict(zip(COLUMNS, row, strict=True)) for row in rows])
+
+    async def reachable(self) -> bool:
+        """Whether the database answers at all (a failed batch: a bad row, or the database away?)."""
+        try:
+            async with self._sessions() as session:
+                await session.execute(select(1))
+            return True
+        except Exception:
+            return False
 
     async def insert_one(self, row: tuple[Any, ...]) -> None:
         """One row through an ordinary INSERT: its error is its own."""

@@ -120,36 +120,51 @@ class RequestLogWriter:
     async def _run(self) -> None:
         engine = make_engine(self._database_url, pool_size=1, max_overflow=0)
         inserter = LogInserter(make_sessionmaker(engine))
+        retry_s = self._flush_interval_s
         try:
             while not self._stopping.is_set():
-                await asyncio.sleep(self._flush_interval_s)
-                await self._write_queued(inserter)
-            await self._write_queued(inserter)
+                await asyncio.sleep(retry_s)
+                # While the database is away (restarting, failing over), rows stay queued, in order,
+                # and the writer tries again after a longer wait each time (at most 2 s).
+                retry_s = self._flush_interval_s if await self._write_queued(inserter) else min(2.0, retry_s * 2)
+            if not await self._write_queued(inserter) and self._queue:
+                self._num_failed += len(self._queue)
+                log.error("request log: the database is away at shutdown; dropped %d queued rows", len(self._queue))
         finally:
             await engine.dispose()
 
-    async def _write_queued(self, inserter: LogInserter) -> None:
+    async def _write_queued(self, inserter: LogInserter) -> bool:
+        """Write what is queued; False (the batch put back) when the database does not answer."""
         while self._queue:
             self._busy = True
             try:
                 take = min(len(self._queue), self._batch_size)
                 self._writing = [self._queue.popleft() for _ in range(take)]
-                await self._write(inserter, [row_values(row) for _, row in self._writing])
+                if not await self._write(inserter, [row_values(row) for _, row in self._writing]):
+                    self._queue.extendleft(reversed(self._writing))
+                    return False
             finally:
                 self._writing = []
                 self._busy = False
+        return True
 
-    async def _write(self, inserter: LogInserter, rows: list[tuple[Any, ...]]) -> None:
+    async def _write(self, inserter: LogInserter, rows: list[tuple[Any, ...]]) -> bool:
+        """Write a batch, or each row of it alone when the batch fails (a row the database refuses
+        is the only one lost); False, nothing written, when the database does not answer."""
         try:
             await inserter.insert_many(rows)
             self.num_written += len(rows)
-            return
+            return True
         except Exception as exc:
+            if not await inserter.reachable():
+                log.warning("request log: the database does not answer (%s); %d rows kept queued",
+                            describe_db_error(exc), len(self._queue) + len(rows))
+                return False
             if len(rows) == 1:
                 self._num_failed += 1
                 # The error's class only: its text would quote the row.
                 log.error("request log: dropped 1 row (%s)", describe_db_error(exc))
-                return
+                return True
         for one in rows:
             try:
                 await inserter.insert_one(one)
@@ -157,3 +172,4 @@ class RequestLogWriter:
             except Exception as exc:
                 self._num_failed += 1
                 log.error("request log: dropped 1 row of a failed batch (%s)", describe_db_error(exc))
+        return True

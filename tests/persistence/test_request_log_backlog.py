@@ -76,3 +76,69 @@ async def test_no_row_lost_at_full_tilt(log_url: str) -> None:
     await writer.stop()  # writes what is still queued
     assert (writer.num_written, writer.num_dropped, writer.backlog().num_queued) == (12_000, 0, 0)
     assert await _count(log_url, stamp) == 12_000
+
+
+class PostgresProxy:
+    """A TCP relay to the test PostgreSQL that can be taken away (every connection cut, new ones
+    refused) and brought back, as a database restart looks to the gateway."""
+
+    def __init__(self, target_port: int = 5432) -> None:
+        self.target_port, self.port = target_port, 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def up(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def down(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def test_rows_wait_while_the_database_is_away(postgres_url: str) -> None:
+    """A database restart keeps the rows queued (in order, none dropped) until it answers again."""
+    await upgrade_async(postgres_url)
+    proxy = PostgresProxy()
+    await proxy.up()
+    via_proxy = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    assert via_proxy != postgres_url
+    stamp = f"away-{time.monotonic_ns()}"
+    writer = RequestLogWriter(via_proxy, flush_interval_s=0.05)
+    writer.start()
+    try:
+        for row in _rows(stamp + "a", 50):
+            writer.record(row)
+        await writer.flush()
+        await proxy.down()
+        for row in _rows(stamp + "b", 50):
+            writer.record(row)
+        await asyncio.sleep(1.5)  # several attempts against a database that is not there
+        backlog = writer.backlog()
+        assert (backlog.num_queued, backlog.num_dropped, backlog.num_written) == (50, 0, 50)
+        await proxy.up()
+        await asyncio.wait_for(writer.flush(), 30)
+    finally:
+        await writer.stop()
+    assert writer.backlog().num_dropped == 0
+    assert await _count(postgres_url, stamp + "a") == 50 and await _count(postgres_url, stamp + "b") == 50
