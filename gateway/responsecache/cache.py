@@ -254,6 +254,7 @@ class ResponseCache:
         """A hit on an answer still being written: wait for its insert (at most STORING_WAIT_S) so
         the hit names its entry (`x-kvgate-cache-id`) and counts as a read of it. An insert slower
         than that still counts the read once it lands; only the id header is then missing."""
+        self._writer.hurry()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(written), STORING_WAIT_S)
         meta = self._directory.get(lookup.key)
