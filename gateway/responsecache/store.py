@@ -109,8 +109,7 @@ def _values(meta: EntryMeta, answer: bytes) -> dict[str, object]:
 
 # The insert of every stored answer, on a Core connection: through an ORM session it cost about a
 # third more CPU (session, unit of work, bulk-insert bookkeeping), once a request at one client.
-_ENTRIES = ResponseCacheEntry.__table__
-_INSERT = insert(_ENTRIES).returning(_ENTRIES.c.id, sort_by_parameter_order=True)
+_INSERT = insert(ResponseCacheEntry).returning(ResponseCacheEntry.id, sort_by_parameter_order=True)
 
 
 class EntryStore:
