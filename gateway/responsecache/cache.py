@@ -343,7 +343,9 @@ class ResponseCache:
         return self._writer.num_dropped
 
     async def count_never_read(self) -> int:
-        """Live entries stored and never served: writes that bought nothing (yet)."""
+        """Live entries stored and never served: writes that bought nothing (yet). The answers the
+        writer still holds are inserted first: stored, from the client's side."""
+        await self._writer.drain()
         await self._flush_hits()
         return await self._store.count_never_read()
 
