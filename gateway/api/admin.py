@@ -52,7 +52,8 @@ async def purge(request: Request, services: ServicesDep, _: AdminDep) -> Respons
 @router.get("/response-cache/stats")
 async def stats(services: ServicesDep, _: AdminDep) -> Response:
     cache = _cache(services)
-    return json_response({**cache.stats(), "entries_never_read": await cache.count_never_read()})
+    never_read = await cache.count_never_read()  # first: it inserts what the writer holds
+    return json_response({**cache.stats(), "entries_never_read": never_read})
 
 
 @router.post("/response-cache/delete")

@@ -116,29 +116,40 @@ class Metrics:
         self.recent_breaks: deque[PrefixBreak] = deque(maxlen=settings.recent_prefix_breaks)
         self.live = LiveCollector()
         self.registry.register(self.live)
+        # Children by metric and label values: prometheus-client's `labels()` validates, converts and
+        # locks on every call (about 5 us each, eight a request); the values are bounded (see above).
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Counter | Gauge | Histogram, *values: str) -> Any:
+        """`metric.labels(*values)`, looked up once."""
+        key = (metric, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     # ----------------------------------------------------------------- request path
 
     def observe(self, record: RequestRecord) -> None:
         """One finished request, from the row the proxy writes to the request log."""
         cache = record.cache or "none"
-        self.requests.labels(record.route, str(record.status), cache).inc()
-        self.duration.labels(record.route, cache).observe(record.total_ms / 1000)
+        self.child(self.requests, record.route, str(record.status), cache).inc()
+        self.child(self.duration, record.route, cache).observe(record.total_ms / 1000)
         if record.ttfb_ms is not None and record.status < 400:
-            self.ttft.labels(record.route, cache).observe(record.ttfb_ms / 1000)
+            self.child(self.ttft, record.route, cache).observe(record.ttfb_ms / 1000)
         self._observe_cache(cache)
         if record.semantic_skipped is not None:  # a fixed vocabulary (responsecache/lookup.py)
-            self.semantic_skipped.labels(record.semantic_skipped).inc()
+            self.child(self.semantic_skipped, record.semantic_skipped).inc()
         if record.upstream is not None and record.status >= 500:
-            self.upstream_errors.labels(record.upstream, record.error_type or str(record.status)).inc()
+            self.child(self.upstream_errors, record.upstream, record.error_type or str(record.status)).inc()
         if record.status < 400:
             self._observe_tokens(record, cache)
 
     def _observe_cache(self, cache: str) -> None:
         if cache in HIT_KINDS or cache == CacheStatus.MISS:
-            self.cache_lookups.labels(cache).inc()
+            self.child(self.cache_lookups, cache).inc()
         if cache in HIT_KINDS:
-            self.cache_hits.labels(HIT_KINDS[cache]).inc()
+            self.child(self.cache_hits, HIT_KINDS[cache]).inc()
         elif cache == CacheStatus.BYPASS:
             self.cache_bypass.inc()
 
@@ -148,25 +159,25 @@ class Metrics:
         counts = token_counts(record)
         for kind in TOKEN_KINDS:
             if counts[kind]:
-                self.tokens.labels(kind, model).inc(counts[kind])
+                self.child(self.tokens, kind, model).inc(counts[kind])
         price = self.price_for(record.model)
         if cache in HIT_KINDS:
             saved = counts["prompt"] + counts["completion"]
-            self.saved_tokens.labels("response_cache").inc(saved)
+            self.child(self.saved_tokens, "response_cache").inc(saved)
             if price is not None:
-                self.saved_cost.labels("response_cache").inc(
+                self.child(self.saved_cost, "response_cache").inc(
                     (counts["prompt"] * price.input + counts["completion"] * price.output) / 1e6)
         elif counts["cached"]:
-            self.saved_tokens.labels("kv_cache").inc(counts["cached"])
+            self.child(self.saved_tokens, "kv_cache").inc(counts["cached"])
             if price is not None:
                 discount = max(price.input - price.cached_input, 0.0)
-                self.saved_cost.labels("kv_cache").inc(counts["cached"] * discount / 1e6)
+                self.child(self.saved_cost, "kv_cache").inc(counts["cached"] * discount / 1e6)
         condensed = getattr(record, "condensed_from_tokens", None)
         if condensed is not None and cache not in HIT_KINDS and condensed > counts["prompt"]:
             # Tokens the small model cut from the prompt: never sent, so paid at the full input price.
-            self.saved_tokens.labels("condensing").inc(condensed - counts["prompt"])
+            self.child(self.saved_tokens, "condensing").inc(condensed - counts["prompt"])
             if price is not None:
-                self.saved_cost.labels("condensing").inc((condensed - counts["prompt"]) * price.input / 1e6)
+                self.child(self.saved_cost, "condensing").inc((condensed - counts["prompt"]) * price.input / 1e6)
 
     def observe_prefix_break(self, reason: str, *, tenant: str, model: str | None = None,
                              block_index: int | None = None) -> None:

@@ -56,7 +56,7 @@ class RequestIdMiddleware:
             scope = {**scope, "headers": headers}
         token = request_id_var.set(request_id)
         route = route_label(scope.get("path", ""))
-        gauge = self.metrics.in_flight.labels(route) if self.metrics is not None else None
+        gauge = self.metrics.child(self.metrics.in_flight, route) if self.metrics is not None else None
         status = 500
         started = time.perf_counter()
 
@@ -75,7 +75,7 @@ class RequestIdMiddleware:
         finally:
             if gauge is not None:
                 gauge.dec()
-            if self.access_log:
+            if self.access_log and log.isEnabledFor(logging.INFO):
                 # The path only: query strings may carry anything.
                 log.info("%s %s %d", scope.get("method", ""), scope.get("path", ""), status,
                          extra={"method": scope.get("method"), "path": scope.get("path"), "status": status,

@@ -254,6 +254,7 @@ class ResponseCache:
         """A hit on an answer still being written: wait for its insert (at most STORING_WAIT_S) so
         the hit names its entry (`x-kvgate-cache-id`) and counts as a read of it. An insert slower
         than that still counts the read once it lands; only the id header is then missing."""
+        self._writer.hurry()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(written), STORING_WAIT_S)
         meta = self._directory.get(lookup.key)
@@ -342,7 +343,9 @@ class ResponseCache:
         return self._writer.num_dropped
 
     async def count_never_read(self) -> int:
-        """Live entries stored and never served: writes that bought nothing (yet)."""
+        """Live entries stored and never served: writes that bought nothing (yet). The answers the
+        writer still holds are inserted first: stored, from the client's side."""
+        await self._writer.drain()
         await self._flush_hits()
         return await self._store.count_never_read()
 

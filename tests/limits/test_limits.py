@@ -279,7 +279,11 @@ def test_a_budget_survives_a_restart_and_holds_on_the_other_replica(two_replicas
     with pytest.raises(openai.RateLimitError) as refused:
         ask(client(two, key))
     assert refused.value.code == "insufficient_quota"
-    # Redis forgets (a restart without persistence): the spend is read back from the request log.
+    # Redis forgets (a restart without persistence): the spend is read back from the request log, once
+    # its writers have written what they hold (rows wait a moment in each replica's queue).
+    for gateway in (one, two):
+        wait_for(lambda g=gateway: "\nkvgate_request_log_queued_rows 0.0\n"
+                 in httpx.get(g.base_url + "/metrics", headers=ADMIN).text)
     r = redis.Redis.from_url(REDIS_URL)
     prefix = two.settings.limits.redis_prefix
     for name in r.scan_iter(prefix + "*"):
