@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ class Call:
     request_id: str = ""
     cache: str = ""
     answer: str = ""
+    error: str = ""
 
 
 def questions(run: str, count: int = 240) -> list[str]:
@@ -75,8 +76,8 @@ def client_loop(stack: Stack, asked: list[str], index: int, until: float, calls:
                 call.request_id, call.cache = raw.headers.get("x-request-id", ""), raw.headers.get(CACHE, "")
                 call.answer = raw.parse().choices[0].message.content or ""
             call.ok = True
-        except openai.APIError:
-            call.ok = False
+        except openai.APIError as exc:
+            call.ok, call.error = False, f"{type(exc).__name__}: {str(exc)[:80]}"
         call.ended = time.monotonic()
         calls.append(call)
 
@@ -156,6 +157,7 @@ def run(stack: Stack, seconds: float, clients: int) -> list[dict[str, Any]]:
             "wrong": sum(1 for c in window if c.ok and c.cache.startswith("hit")
                          and c.answer not in upstream_answers[c.question]),
             # until requests sent after the fault all succeed: the end of the last one that failed
+            "errors": dict(Counter(c.error for c in failed).most_common(3)),
             "serving_again_s": round(max((c.ended for c in failed if c.started >= at), default=at) - at, 1)
             if i else 0.0,
         })
@@ -187,6 +189,10 @@ def main() -> None:
     finally:
         stack.compose("down", "-v", "--remove-orphans", check=False)
     print(json.dumps(rows) if args.json else table(rows))
+    if not args.json:
+        for row in rows:
+            for error, count in row["errors"].items():
+                print(f"{row['fault']}: {count} x {error}")
 
 
 if __name__ == "__main__":
