@@ -81,6 +81,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--redis-codec", default="shrink-zstd", choices=("shrink-zstd", "shrink-lz4", "raw"),
+                        help="the connector's Redis codec (its default: shrink-zstd)")
     args = parser.parse_args(argv)
     python = args.vllm_python or find_vllm_python()
     if python is None or not Path(python).is_file():
@@ -97,7 +99,8 @@ def main(argv: list[str]) -> int:
         root = Path(tmp)
         common = {"python": Path(python), "model": model, "root": root, "block_size": args.block_size,
                   "dev_mode": True, "events": False}
-        kv = connector_config(redis_url=args.redis_url, redis_key_prefix=prefix, shm_dir=str(shm))
+        kv = connector_config(redis_url=args.redis_url, redis_key_prefix=prefix, shm_dir=str(shm),
+                              redis_codec=args.redis_codec)
         ours = start_server("kvgate", kv_transfer=kv, **common)
         ref = start_server("example", kv_transfer=example_connector_config(root / "example-kv"), **common)
         servers = [ours, ref]
@@ -152,14 +155,15 @@ def main(argv: list[str]) -> int:
     restart = {"conversations": len(restart_share), "cached_share_min": round(min(restart_share), 4),
                "cached_share_p50": round(median(restart_share), 4)}
     if args.json:
-        print(json.dumps({"rows": rows, "restart": restart}, indent=2))
+        print(json.dumps({"rows": rows, "restart": restart, "redis_codec": args.redis_codec}, indent=2))
         return 0
     lines = ["| loaded from | TTFT p50 (ms) | x ExampleConnector | cached share | answers differing |",
              "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['source']} | {r['ttft_p50_ms']:.0f} | {r['x_example']:.2f}x | {r['cached_share']:.1%} "
                      f"| {r['answer_mismatches']} of {r['prompts']} |")
-    lines.append("\n(answers compared with the warm prefix-cache hit's; cold prefills may differ in the last bits)")
+    lines.append(f"\n(kvgate's Redis codec {args.redis_codec}; answers compared with the warm prefix-cache hit's; "
+                 "cold prefills may differ in the last bits)")
     lines.append(f"\nafter a SIGKILL and restart of the kvgate server: {restart['conversations']} returning "
                  f"conversations, cached share min {restart['cached_share_min']:.1%}, "
                  f"p50 {restart['cached_share_p50']:.1%}")

@@ -130,12 +130,12 @@ class Store:
             return 0
         blocks, _ = self._fetch(hashes, range(1, len(self.tiers)))
         host = self.tiers[0][0]
-        for h, block in zip(hashes, blocks, strict=False):
+        for n, (h, block) in enumerate(zip(hashes, blocks, strict=False)):
             try:
                 host.put(h, block)
             except (KVCacheError, OSError) as exc:
                 log.warning("kvgate connector: staging into the host tier failed: %s", exc)
-                return 0
+                return n
         return len(blocks)
 
     def _fetch(self, hashes: Sequence[BlockHash], tier_indexes: range) -> tuple[list[torch.Tensor], list[int]]:
