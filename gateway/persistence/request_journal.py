@@ -5,15 +5,18 @@ while the database is slow or away) before they are committed; a SIGKILL used to
 `RequestLogWriter.record` also copies each row, as one JSON line, into the current segment of this
 journal: a file of `SEGMENT_BYTES`, allocated up front and mapped into memory (MAP_SHARED).
 
-Why a mapping: the copy is a memcpy into the kernel's page cache, no syscall, 0.8 µs a row measured on
-a 2-core EPYC VM (os.write: 1.8 µs and a syscall a row on the event loop), and it is done before the
-request's answer is sent (the row is recorded first), so a SIGKILL at any later moment finds the row in
-the file: the kernel owns those pages and writes them back after the process is gone. There is no
-fsync, on purpose: only a machine crash (power, kernel panic) loses the pages not yet written back
-(the kernel's dirty-page expiry, about 30 s), and a flush to disk a row would cost far more than the
-request. Why not the writer's thread: a row would sit in memory until that thread ran, its poll
-interval plus up to one GIL switch interval (5 ms) behind a busy loop, and a kill in that window loses
-rows of requests already answered, the very rows this journal is for.
+Why a mapping, on the event loop: the copy is a memcpy into the kernel's page cache, no syscall (0.8
+µs a row with its JSON, measured on a 2-core AMD EPYC VM that was not quiet; os.write: 1.8 µs and a
+syscall a row), and once it is done a SIGKILL finds the row in the file: the kernel owns those pages
+and writes them back after the process is gone. Why not the writer's thread: a row would sit in
+memory until that thread ran, its poll interval plus up to one GIL switch interval (5 ms) behind a
+busy loop, and a kill in that window loses rows of requests already answered, the very rows this
+journal is for. When the copy happens: a non-streamed request's row is recorded before its answer is
+sent; a stream's just after its last event went out, once the upstream's stream has ended (usually
+the same read): a kill in that moment, well under a millisecond, can still lose the row of a stream
+whose client read its [DONE]. No fsync, on purpose: only a machine crash (power, kernel panic) loses
+pages not yet written back (the kernel's dirty-page expiry, about 30 s); a flush to disk a row would
+cost more than the request.
 
 Segments: the first 16 bytes are `MAGIC` and the offset up to which rows are settled (committed, or
 refused by the database for good), which the writer moves after each batch; rows follow, the unused
@@ -21,8 +24,11 @@ tail stays zero. A full segment is replaced by a new one; a segment is deleted o
 the process stops) and all its rows are settled. At start-up the rows past that offset in the
 segments a previous process left are read back (`left_over`) and written by the writer before new
 rows, minus those the table already holds: a batch committed just before the kill, whose offset was
-not yet moved (persistence/log_insert.py `LogInserter.committed`). A row cut short by the kill (the
-copy interrupted) is never the row of an answered request; it is skipped.
+not yet moved (persistence/log_insert.py `LogInserter.committed`). Before it looks, the replay ends
+the killed writer's PostgreSQL session if the server still holds it (`LogInserter.end_sessions`): a
+batch sent in full could otherwise commit after the look (it did, in a test, once a lock it waited
+on was released). A row cut short by the kill (the copy interrupted) is never the row of an
+answered request; it is skipped.
 
 One process per folder: a lock (flock, released by the kernel when the process dies) keeps a second
 one out, which then runs without a journal and says so. Several replicas each need their own folder
@@ -145,11 +151,13 @@ class RequestJournal:
             except OSError as exc:
                 log.error("request log: cannot read the journal segment %s (%s); its rows are not replayed", path, exc)
                 continue
-            if data[:8] not in (MAGIC, bytes(8)):  # zeros: killed while making it, before its header
+            if data[:8] != MAGIC and any(data[:HEADER_BYTES]):  # no header: killed while making it
                 log.error("request log: %s is not a journal segment; left as it is", path)
                 continue
             readable.append(path)
-            settled = max(HEADER_BYTES, _SETTLED.unpack_from(data, 8)[0]) if len(data) >= HEADER_BYTES else len(data)
+            if data[:8] != MAGIC:
+                continue
+            settled = max(HEADER_BYTES, _SETTLED.unpack_from(data, 8)[0])
             stop = data.find(b"\0", settled)
             num_bad = 0
             for line in data[settled:stop if stop >= 0 else len(data)].split(b"\n")[:-1]:
@@ -189,21 +197,23 @@ class RequestJournal:
             return None
         self._number += 1
         path = self.directory / f"{self._number:012d}{SUFFIX}"
+        fd = None
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                # Blocks allocated now: a full disk fails here, not as SIGBUS on a copy into the mapping.
-                os.posix_fallocate(fd, 0, SEGMENT_BYTES)
-                mapping = mmap.mmap(fd, SEGMENT_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
+            # Blocks allocated now: a full disk fails here, not as SIGBUS on a copy into the mapping.
+            os.posix_fallocate(fd, 0, SEGMENT_BYTES)
+            mapping = mmap.mmap(fd, SEGMENT_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             self._retry_at = time.monotonic() + 5.0
             log.error("request log: cannot write the journal in %s (%s); rows are queued without it, a kill "
                       "loses them", self.directory, exc)
-            with contextlib.suppress(OSError):
-                path.unlink()
+            if fd is not None:  # made here: not another's
+                with contextlib.suppress(OSError):
+                    path.unlink()
             return None
+        finally:
+            if fd is not None:
+                os.close(fd)
         mapping[:HEADER_BYTES] = MAGIC + _SETTLED.pack(HEADER_BYTES)
         segment = Segment(path, mapping, HEADER_BYTES)
         with self._guard:
@@ -227,7 +237,6 @@ def open_journal(directory: Path | None) -> RequestJournal | None:
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock_fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        token = _token(directory / "id")
     except OSError as exc:
         log.error("request log: no journal (%s: %s); a kill loses the rows still queued", directory, exc)
         return None
@@ -238,7 +247,12 @@ def open_journal(directory: Path | None) -> RequestJournal | None:
         log.warning("request log: another process holds the journal in %s; this one runs without a journal "
                     "(give each process its own KVGATE_REQUEST_LOG_JOURNAL_DIR)", directory)
         return None
-    return RequestJournal(directory, lock_fd, token)
+    try:
+        return RequestJournal(directory, lock_fd, _token(directory / "id"))
+    except OSError as exc:
+        os.close(lock_fd)
+        log.error("request log: no journal (%s: %s); a kill loses the rows still queued", directory, exc)
+        return None
 
 
 def _token(path: Path) -> str:

@@ -1,5 +1,6 @@
 """The request log's journal: segments deleted once settled, a torn row skipped, one process per
-folder, and no row written twice when a batch was committed but not settled before a kill."""
+folder, no row written twice when a batch was committed but not settled before a kill, and rows kept
+through a graceful stop while the database is away."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from gateway.persistence.log_insert import row_values
 from gateway.persistence.models import RequestLog
 from gateway.persistence.request_journal import HEADER_BYTES, MAGIC, journal_dir, open_journal
 from gateway.persistence.request_log import RequestLogWriter, RequestRecord
+from tests.persistence.test_request_log_backlog import PostgresProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,14 +114,17 @@ def test_one_process_per_folder(tmp_path: Path) -> None:
     second.close()
 
 
-def test_a_segment_with_a_foreign_header_is_left_alone(tmp_path: Path) -> None:
+def test_a_foreign_file_is_left_alone_and_an_unmade_segment_deleted(tmp_path: Path) -> None:
     (tmp_path / "000000000001.rows").write_bytes(b"not a journal at all")
+    (tmp_path / "000000000002.rows").write_bytes(b"")  # killed between open and fallocate
+    (tmp_path / "000000000003.rows").write_bytes(bytes(4096))  # ... and before its header
     journal = open_journal(tmp_path)
     assert journal is not None
     assert journal.left_over() == []
     journal.forget_left_over()
+    assert journal.append(_row("after", 0)) is not None
     journal.close()
-    assert _segments(tmp_path) == ["000000000001.rows"]
+    assert _segments(tmp_path) == ["000000000001.rows", "000000000004.rows"]  # the new one: unsettled
     assert MAGIC not in (tmp_path / "000000000001.rows").read_bytes()
 
 
@@ -143,4 +148,32 @@ async def test_no_duplicate_when_a_committed_batch_was_not_settled(log_url: str,
         await writer.stop()
     assert await _counts(log_url, stamp) == {f"{stamp}-{i}": 1 for i in range(30)}
     assert writer.num_written == 10 and writer.num_dropped == 0
+    assert _segments(tmp_path) == []
+
+
+async def test_rows_kept_at_shutdown_while_the_database_is_away(postgres_url: str, tmp_path: Path) -> None:
+    """A graceful stop with the database away drops nothing: the rows stay in the journal and the
+    next writer on it writes them."""
+    await upgrade_async(postgres_url)
+    proxy = PostgresProxy()
+    await proxy.up()
+    stamp = f"away-{time.monotonic_ns()}"
+    writer = RequestLogWriter(postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"),
+                              flush_interval_s=0.05, journal=open_journal(tmp_path))
+    writer.start()
+    await proxy.down()
+    for i in range(20):
+        writer.record(RequestRecord(f"{stamp}-{i}", "team", "chat.completions", "fake-model", 200, 1.0))
+    await writer.stop()
+    assert writer.num_dropped == 0 and _segments(tmp_path)
+    again = RequestLogWriter(postgres_url, flush_interval_s=0.05, journal=open_journal(tmp_path))
+    again.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(await _counts(postgres_url, stamp)) < 20:
+            assert time.monotonic() < deadline, "the journal's rows were not written"
+            await asyncio.sleep(0.05)
+    finally:
+        await again.stop()
+    assert await _counts(postgres_url, stamp) == {f"{stamp}-{i}": 1 for i in range(20)}
     assert _segments(tmp_path) == []
