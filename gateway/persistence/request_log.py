@@ -39,6 +39,7 @@ from gateway.persistence.request_record import RefusalReason, RequestRecord
 __all__ = ["Backlog", "RefusalReason", "RequestLogWriter", "RequestRecord"]
 
 log = logging.getLogger(__name__)
+_Queued = tuple[float, RequestRecord | tuple[Any, ...], Mark | None]
 
 
 @dataclass(slots=True)
@@ -66,12 +67,13 @@ class RequestLogWriter:
         self._max_queue = max_queue
         self._flush_interval_s = flush_interval_s
         self._journal = journal
-        # (time.monotonic() when recorded, the row's `row_values`, where the journal holds it), oldest
-        # first. `record` appends on the gateway's thread, the writer's thread pops: deque's append
-        # and popleft are atomic.
-        self._queue: deque[tuple[float, tuple[Any, ...], Mark | None]] = deque()
+        # (time.monotonic() when recorded, row, where the journal holds it), oldest first; the row as
+        # its `row_values` when journaled, else as recorded (made a tuple by the writer's thread, off
+        # the request path). `record` appends on the gateway's thread, the writer's thread pops:
+        # deque's append and popleft are atomic.
+        self._queue: deque[_Queued] = deque()
         # The batch in flight; replaced, never changed in place, so that `backlog` may read it.
-        self._writing: list[tuple[float, tuple[Any, ...], Mark | None]] = []
+        self._writing: list[_Queued] = []
         self._busy = False  # the writer has taken rows off the queue and not yet written them
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -94,8 +96,11 @@ class RequestLogWriter:
         if len(self._queue) >= self._max_queue:
             self._num_dropped_full += 1
             return
+        if self._journal is None:
+            self._queue.append((time.monotonic(), row, None))
+            return
         values = row_values(row)
-        self._queue.append((time.monotonic(), values, self._journal.append(values) if self._journal else None))
+        self._queue.append((time.monotonic(), values, self._journal.append(values)))
 
     def backlog(self) -> Backlog:
         writing, oldest = self._writing, None
@@ -184,7 +189,8 @@ class RequestLogWriter:
             try:
                 take = min(len(self._queue), self._batch_size)
                 self._writing = [self._queue.popleft() for _ in range(take)]
-                if not await self._write(inserter, [values for _, values, _ in self._writing]):
+                if not await self._write(inserter, [row if isinstance(row, tuple) else row_values(row)
+                                                    for _, row, _ in self._writing]):
                     self._queue.extendleft(reversed(self._writing))
                     return False
                 if self._journal is not None:
@@ -195,7 +201,7 @@ class RequestLogWriter:
         return True
 
     @staticmethod
-    def _settle(journal: RequestJournal, batch: list[tuple[float, tuple[Any, ...], Mark | None]]) -> None:
+    def _settle(journal: RequestJournal, batch: list[_Queued]) -> None:
         for _, _, mark in reversed(batch):
             if mark is not None:
                 journal.settle(mark)
