@@ -63,8 +63,9 @@ s = EngineSettings(); model_directory(s.model, s.model_cache_dir)" \
 
 FROM ${RUNTIME_IMAGE} AS runtime
 ENV PATH=/opt/venv/bin:$PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HOME=/home/kvgate PYTHONUNBUFFERED=1
+# /data/request-log: the gateway's request-log journal volume, owned by kvgate when compose first mounts it.
 RUN useradd --create-home --home-dir /home/kvgate --uid 10001 kvgate \
- && mkdir -p /data/kvcache /app && chown -R kvgate /data /app
+ && mkdir -p /data/kvcache /data/request-log /app && chown -R kvgate /data /app
 WORKDIR /app
 
 FROM runtime AS kvgate-engine

@@ -21,6 +21,7 @@ from gateway.limits.gate import open_gate
 from gateway.observability.install import attach_observability, detach_observability, install_observability
 from gateway.persistence.database import make_engine, make_sessionmaker, upgrade_async
 from gateway.persistence.keys import FirstKeys, KeyStore, create_first_keys
+from gateway.persistence.request_journal import journal_dir, open_journal
 from gateway.persistence.request_log import RequestLogWriter
 from gateway.persistence.responses import ResponseStore
 from gateway.pipeline.condense import CondenseStep
@@ -126,8 +127,10 @@ def create_app(settings: Settings) -> FastAPI:
         db = make_engine(settings.database_url, pool_size=settings.db_pool_size,
                          max_overflow=settings.db_max_overflow, pool_timeout_s=settings.db_pool_timeout_s)
         sessions = make_sessionmaker(db)
+        journal = open_journal(journal_dir(settings.request_log_journal_dir, settings.database_url))
         request_log = RequestLogWriter(settings.database_url, batch_size=settings.request_log_batch,
-                                       max_queue=settings.request_log_max_queue, price=row_pricer(settings.price_for))
+                                       max_queue=settings.request_log_max_queue, price=row_pricer(settings.price_for),
+                                       journal=journal)
         request_log.start()
         gate = open_gate(settings.limits, sessions, settings.database_url)
         if gate is not None:

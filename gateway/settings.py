@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     # Rows the request log holds in memory while the database is slow or down; past it rows are
     # dropped (counted: kvgate_request_log_dropped_rows_total, the dashboard's request-log tile).
     request_log_max_queue: int = Field(default=100_000, gt=0)
+    # Folder of the request log's journal, where each queued row is also kept until it is committed, so
+    # that a killed gateway loses none (gateway/persistence/request_journal.py); `{hostname}` is
+    # replaced by the host's name (a container's own). Unset: beside a SQLite file, none on
+    # PostgreSQL; "off": none.
+    request_log_journal_dir: str | None = None
     key_cache_ttl_s: float = 30.0
     # Give requests with x-kvgate-session and no prompt_cache_key one derived from tenant and session.
     derive_prompt_cache_key: bool = False

@@ -7,15 +7,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event
+from sqlalchemy import event, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 from gateway.shipped import migrations_dir
 
 
-def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20, pool_timeout_s: float = 30.0) -> AsyncEngine:
+def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20, pool_timeout_s: float = 30.0,
+                application_name: str | None = None) -> AsyncEngine:
     """`hide_parameters`: a failed statement's error must never print its parameters, which hold
-    prompts and answers (response cache) or client-chosen strings (request log)."""
+    prompts and answers (response cache) or client-chosen strings (request log). `application_name`
+    names the connections in PostgreSQL's pg_stat_activity (asyncpg only)."""
     if url.startswith("sqlite"):
         engine = create_async_engine(url, connect_args={"timeout": 30}, hide_parameters=True)
 
@@ -28,8 +30,11 @@ def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20, pool_t
             cursor.close()
 
         return engine
+    connect_args = {}
+    if application_name is not None and make_url(url).get_driver_name() == "asyncpg":
+        connect_args["server_settings"] = {"application_name": application_name}
     return create_async_engine(url, pool_size=pool_size, max_overflow=max_overflow, pool_timeout=pool_timeout_s,
-                               pool_pre_ping=True, hide_parameters=True)
+                               pool_pre_ping=True, hide_parameters=True, connect_args=connect_args)
 
 
 def describe_db_error(exc: BaseException) -> str:

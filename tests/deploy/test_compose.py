@@ -47,7 +47,11 @@ def test_services_ports_volumes_healthchecks() -> None:
     # each engine keeps its own disk tier; they share the Redis tier
     assert services["engine-1"]["volumes"] == ["kvcache-1:/data/kvcache"]
     assert services["engine-2"]["volumes"] == ["kvcache-2:/data/kvcache"]
-    assert set(spec["volumes"]) == {"pgdata", "kvcache-1", "kvcache-2"}
+    assert set(spec["volumes"]) == {"pgdata", "kvcache-1", "kvcache-2", "request-log"}
+    # each gateway replica journals its request-log rows in a folder of its own on one volume
+    assert services["gateway"]["volumes"] == ["request-log:/data/request-log"]
+    assert services["gateway"]["environment"]["KVGATE_REQUEST_LOG_JOURNAL_DIR"] == "/data/request-log/{hostname}"
+    assert "/data/request-log" in (ROOT / "Dockerfile").read_text()  # made, and owned by kvgate, in the image
     # migrations finish before any gateway starts
     assert services["gateway"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert services["migrate"]["command"] == ["kvgate", "migrate"]
