@@ -89,7 +89,8 @@ class SchedulerSide:
         self.block_size = keyer.block_size
         staging = store.has_host and len(store.tiers) > 1
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvgate-connector-stager") if staging else None
-        self._chunks = ThreadPoolExecutor(STAGE_THREADS, thread_name_prefix="kvgate-connector-stage") if staging else None
+        self._chunks = (ThreadPoolExecutor(STAGE_THREADS, thread_name_prefix="kvgate-connector-stage")
+                        if staging else None)
         self._staging: dict[str, Future[int]] = {}
         self._plans: dict[str, _Plan] = {}
         self._loads: list[Load] = []
