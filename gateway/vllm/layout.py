@@ -67,6 +67,7 @@ class PagedLayout:
     layers: list[torch.Tensor]
     layout: BlockLayout
     kind: str  # "cpu" or "flash"
+    _bytes: list[memoryview] | None = None  # each layer's buffer as bytes (CPU), for `segments`
 
     @classmethod
     def detect(cls, kv_caches: Mapping[str, torch.Tensor], layout: BlockLayout) -> PagedLayout:
@@ -97,10 +98,15 @@ class PagedLayout:
 
     def segments(self, block_id: int) -> list[memoryview] | None:
         """Block `block_id` of every layer as writable memory, in the canonical order, where the
-        buffers are in host memory and a block's slice of a layer is contiguous (CPU); else None."""
+        buffers are in host memory and a block's slice of a layer is contiguous (CPU); else None.
+        Slices of one byte view per layer, made once: a view per block and layer through numpy
+        took about 5 us each, 10 ms for a 66-block prompt of a 30-layer model."""
         if self.kind != "cpu":
             return None
-        return [layer[block_id].view(torch.uint8).numpy().data.cast("B") for layer in self.layers]
+        if self._bytes is None:
+            self._bytes = [layer.view(torch.uint8).numpy().data.cast("B") for layer in self.layers]
+        n = self.layout.block_nbytes // self.layout.num_layers
+        return [whole[block_id * n:(block_id + 1) * n] for whole in self._bytes]
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Blocks `block_ids` of every layer, as one host tensor `[n, num_layers, heads, 2, B, D]`."""
