@@ -435,7 +435,8 @@ def print_report(result: dict[str, Any], title: str) -> None:
                   f"(every stored question embedded) served {stage['judge_hits']} hits, {stage['hits_lost']} of them "
                   f"not served here ({stage['right_hits_lost']} right); judge alone precision "
                   f"{stage['judge_alone']['precision']:.3f}, recall {stage['judge_alone']['recall']:.3f}")
-    for name, row in rows:
+    languages = [name for name, row in rows[1:] if "cheap_stage" in row and name != "other"]
+    for name, row in rows if len(languages) > 1 else rows[:1]:  # one language: its rows are all's
         if "cheap_stage" in row and name != "other":
             print_losses(name, row["cheap_stage"]["losses"])
     dup = result["duplicate_aware"]
