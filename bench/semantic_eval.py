@@ -38,6 +38,13 @@ everything and reads near 1.0: never a headline figure.
 As in the gateway, a question with the normalized form of a stored one (`variants.py`) is served
 that one before the cheap stage and the judge (in the judge-alone reading too).
 
+The cheap stage's losses (`bench.cheap_stage`), per set and language: for every label-1 lookup,
+the stage at which its own stored partner left the cheap stage (below the sketch floor, beyond the
+k nearest sketches, each veto by rule, the prejudge) or reached the judge; how many of each the
+staged lookup served right, and how many the judge alone (every stored question embedded) serves
+right, so a stage's cost in recall and the most that loosening it could win back are read side by
+side; and the share of all lookups each reason ended.
+
 `baseline` is a plain fixed-threshold cosine cache (GPTCache, LiteLLM, RedisVL) on the same
 embeddings: the nearest neighbour is served when its cosine reaches a threshold, set here where it
 reaches the same recall as kvgate.
