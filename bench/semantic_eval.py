@@ -38,6 +38,13 @@ everything and reads near 1.0: never a headline figure.
 As in the gateway, a question with the normalized form of a stored one (`variants.py`) is served
 that one before the cheap stage and the judge (in the judge-alone reading too).
 
+The cheap stage's losses (`bench.cheap_stage`), per set and language: for every label-1 lookup,
+the stage at which its own stored partner left the cheap stage (below the sketch floor, beyond the
+k nearest sketches, each veto by rule, the prejudge) or reached the judge; how many of each the
+staged lookup served right, and how many the judge alone (every stored question embedded) serves
+right, so a stage's cost in recall and the most that loosening it could win back are read side by
+side; and the share of all lookups each reason ended.
+
 `baseline` is a plain fixed-threshold cosine cache (GPTCache, LiteLLM, RedisVL) on the same
 embeddings: the nearest neighbour is served when its cosine reaches a threshold, set here where it
 reaches the same recall as kvgate.
@@ -71,13 +78,13 @@ from typing import Any
 import numpy as np
 
 import gateway.responsecache.semantic
+from bench.cheap_stage import PARTITION, StagedCache, ended_shares, loss_rows, print_losses, variant_forms
 from bench.progress import Stage
-from gateway.responsecache.keys import PartitionKey
 from gateway.responsecache.semantic.embedder import DIMENSIONS, encode, load_model
-from gateway.responsecache.semantic.index import VectorIndex, embeddings_index, sketches_index
+from gateway.responsecache.semantic.index import VectorIndex, embeddings_index
 from gateway.responsecache.semantic.judge import Verifier, tokens
 from gateway.responsecache.semantic.language import language_of
-from gateway.responsecache.semantic.match import Match, best_match, plausible, sketch_neighbourhood
+from gateway.responsecache.semantic.match import Match, best_match
 from gateway.responsecache.semantic.sketch import Sketcher
 from gateway.responsecache.semantic.variants import normalized_question
 from gateway.responsecache.settings import ResponseCacheSettings
@@ -85,7 +92,6 @@ from gateway.responsecache.store import EntryMeta
 
 # Shipped with the package (package data), so this default works from an installed kvgate too.
 SAMPLE_PAIRS = Path(gateway.responsecache.semantic.__file__).resolve().parent / "data" / "sample_pairs.jsonl"
-PARTITION = PartitionKey("eval")
 DEFAULT_LIMIT = 4000
 TIMED_QUERIES = 300
 EMBED_BATCH = 32
@@ -189,52 +195,6 @@ def stored_metas(pairs: list[Pair], vectors: dict[str, np.ndarray], fillers: Seq
             for i, text in enumerate(stored)]
 
 
-def variant_forms(metas: list[EntryMeta]) -> dict[str, EntryMeta]:
-    """The stored questions by their normalized form (`variants.normalized_question`), the first
-    stored of each: what the gateway serves, before the judge, to a question of the same form."""
-    forms: dict[str, EntryMeta] = {}
-    for meta in metas:
-        forms.setdefault(normalized_question(meta.query or ""), meta)
-    return forms
-
-
-class StagedCache:
-    """The stored questions as a gateway holds them: every one sketched; an embedding enters the
-    judge's index only once some lookup's cheap stage named its question, or a lookup about to hit
-    needed its sketch neighbourhood (`SemanticStage`). A question of a stored one's normalized form
-    is served that one, as a trivial variant, before any of it."""
-
-    def __init__(self, metas: list[EntryMeta], sketcher: Sketcher) -> None:
-        self.variants = variant_forms(metas)
-        self.sketcher = sketcher
-        self.sketches = sketches_index(sketcher.dimensions)
-        self.sketches.add(metas)
-        self.embedded = embeddings_index()
-        self.num_ruled_out = 0
-        self.num_judged = 0
-
-    def match(self, text: str, vector: np.ndarray, verifier: Verifier) -> Match | None:
-        variant = self.variants.get(normalized_question(text))
-        if variant is not None:
-            return Match(variant, 1.0, 1.0)
-        sketch = self.sketcher.sketch(text)
-        named = plausible(self.sketches, PARTITION, sketch, text, self.sketcher.floor(text), self.sketcher.prejudge,
-                          0.0)
-        if not named:
-            self.num_ruled_out += 1
-            return None
-        self.num_judged += 1
-        self.embedded.add(named)
-        match = best_match(self.embedded, PARTITION, vector, text, verifier, 0.0)
-        if match is not None:
-            missing = [m for m in sketch_neighbourhood(self.sketches, PARTITION, sketch, 0.0)
-                       if m.id not in self.embedded]
-            if missing:
-                self.embedded.add(missing)
-                match = best_match(self.embedded, PARTITION, vector, text, verifier, 0.0)
-        return match
-
-
 @dataclass(slots=True, frozen=True)
 class Outcome:
     """One lookup: the served hit's score (None: no hit), right per the issue's strict metric,
@@ -266,7 +226,7 @@ def score(pairs: Iterable[Pair], index: VectorIndex | StagedCache, vectors: dict
     results = []
     for pair in pairs:
         if isinstance(index, StagedCache):
-            match = index.match(pair.b, vectors[pair.b], verifier)
+            match = index.match(pair.b, vectors[pair.b], verifier, own=pair.a)
         else:
             variant = (variants or {}).get(normalized_question(pair.b))
             match = Match(variant, 1.0, 1.0) if variant is not None else \
@@ -400,6 +360,8 @@ def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifi
                       variant_forms(stored_metas(pairs, vectors, fillers)))
     staged = StagedCache(stored_metas(pairs, vectors, fillers, sketcher), sketcher) if sketcher else None
     ruled_out: list[bool] = []
+    stages: list[str | None] = []
+    ended: list[str | None] = []
     outcomes = alone
     if staged is not None:
         outcomes = []
@@ -408,6 +370,8 @@ def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifi
                 before = staged.num_ruled_out
                 outcomes.extend(score([pair], staged, vectors, verifier, dups))
                 ruled_out.append(staged.num_ruled_out > before)
+                stages.append(staged.last.stage)
+                ended.append(staged.last.ended)
     with Stage("cosine baseline", len(queries), unit="lookup", enabled=progress) as stage:
         cosines = top1_cosine(stage.iterate(queries), index, vectors, dups)
     languages = [str(language_of(p.b) or "other") for p in queries]
@@ -434,7 +398,10 @@ def evaluate(pairs: list[Pair], vectors: dict[str, np.ndarray], verifier: Verifi
                 "hits_lost": len(lost), "right_hits_lost": sum(alone[i].right for i in lost),
                 "judge_alone": {k: round(v, 4) for k, v in summary([alone[i] for i in rows], num_positive).items()},
                 "hits_changed": sum(alone[i].score is not None and outcomes[i].score is not None
-                                    and alone[i].right != outcomes[i].right for i in rows)}
+                                    and alone[i].right != outcomes[i].right for i in rows),
+                "losses": {"rows": loss_rows([stages[i] for i in rows], [queries[i].label for i in rows],
+                                             mine, [alone[i] for i in rows]),
+                           "ended": ended_shares([ended[i] for i in rows])}}
         for row in (strict, strict["baseline"], dup, dup["baseline"], copies):
             for key in ("precision", "recall", "false_hit_rate"):
                 row[key] = round(row[key], 4)
@@ -475,6 +442,10 @@ def print_report(result: dict[str, Any], title: str) -> None:
                   f"(every stored question embedded) served {stage['judge_hits']} hits, {stage['hits_lost']} of them "
                   f"not served here ({stage['right_hits_lost']} right); judge alone precision "
                   f"{stage['judge_alone']['precision']:.3f}, recall {stage['judge_alone']['recall']:.3f}")
+    languages = [name for name, row in rows[1:] if "cheap_stage" in row and name != "other"]
+    for name, row in rows if len(languages) > 1 else rows[:1]:  # one language: its rows are all's
+        if "cheap_stage" in row and name != "other":
+            print_losses(name, row["cheap_stage"]["losses"])
     dup = result["duplicate_aware"]
     print(f"secondary, duplicate-aware (also right on a question the file's label-1 pairs link to b; "
           f"meaningful on QQP-like files only): precision {dup['precision']:.3f}, recall {dup['recall']:.3f}, "
