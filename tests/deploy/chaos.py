@@ -1,11 +1,11 @@
 """Faults under load, in containers: the compose stack (with the test override's stand-ins), two
 gateway replicas behind the load balancer, 64 clients of the openai SDK with its default retries (half
 streaming) asking SQuAD questions for 3 minutes, and on a schedule: SIGKILL a gateway replica (started
-again 5 s later, as a supervisor would), restart Redis, restart PostgreSQL, SIGKILL an engine (started
-again 5 s later). Per fault: requests in flight at that moment, requests that failed after the SDK's
-retries, request-log rows missing for answered requests, wrong answers (a cached answer that no
-upstream call gave for that question), and how long until every request sent after the fault was
-answered (the end of the last one that failed).
+again 5 s later, as a supervisor would), stop one with SIGTERM and start it again (`docker restart`),
+restart Redis, restart PostgreSQL, SIGKILL an engine (started again 5 s later). Per fault: requests
+in flight at that moment, requests that failed after the SDK's retries, request-log rows missing for
+answered requests, wrong answers (a cached answer that no upstream call gave for that question), and
+how long until every request sent after the fault was answered (the end of the last one that failed).
 
     deploy/build-images && python -m tests.deploy.chaos [--seconds 180] [--clients 64] [--json]
 """
@@ -29,8 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.stack import MODEL, ROOT, Stack, eventually
 
-SCHEDULE = (("SIGKILL a gateway replica", 0.17), ("restart Redis", 0.39), ("restart PostgreSQL", 0.61),
-            ("SIGKILL an engine", 0.83))  # at these fractions of the run
+SCHEDULE = (("SIGKILL a gateway replica", 0.15), ("SIGTERM a gateway replica", 0.32), ("restart Redis", 0.49),
+            ("restart PostgreSQL", 0.66), ("SIGKILL an engine", 0.83))  # at these fractions of the run
 CACHE = "x-kvgate-cache"
 
 
@@ -83,9 +83,9 @@ def client_loop(stack: Stack, asked: list[str], index: int, until: float, calls:
 
 
 def in_flight_on(stack: Stack, fault: str) -> int | None:
-    """Requests the process about to be killed is serving (its gateway's upstream calls in flight, or
-    the engine's in every gateway), read off /metrics just before; None for a restart."""
-    if not fault.startswith("SIGKILL"):
+    """Requests the process about to be killed or stopped is serving (its gateway's upstream calls in
+    flight, or the engine's in every gateway), read off /metrics just before; None for a restart."""
+    if not fault.startswith("SIG"):
         return None
     gateways = [stack.gateway_urls()[0]] if "gateway" in fault else stack.gateway_urls()
     total = 0.0
@@ -108,6 +108,9 @@ def inject(stack: Stack, fault: str) -> None:
         victim = (next(c for c in stack.compose("ps", "-q", "gateway").stdout.split()
                        if f"http://{stack.address(c)}:8080" == stack.gateway_urls()[0])
                   if "gateway" in fault else stack.container("engine-1"))
+        if fault.startswith("SIGTERM"):  # a graceful stop (10 s before Docker sends SIGKILL), then a start
+            subprocess.run(["docker", "restart", victim], check=True, capture_output=True)
+            return
         subprocess.run(["docker", "kill", victim], check=True, capture_output=True)
         time.sleep(5)
         subprocess.run(["docker", "start", victim], check=True, capture_output=True)
