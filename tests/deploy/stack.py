@@ -26,6 +26,11 @@ TEST_FILES = ("docker-compose.yml", "deploy/compose.test.yml")
 # A setting only the env file (KVGATE_ENV_FILE, as a user's .env) gives the kvgate containers, seen from
 # outside: a body over it is refused with 413 (the default is 8 MiB).
 ENV_FILE_MAX_BODY_BYTES = 1_000_000
+# About 1,100 tokens of system prompt (SmolLM2's tokenizer), the overlays' tests' conversations.
+LONG_MANUAL = ("You are the support assistant of a home network company. Routers have a reset button on the "
+               "back; holding it for ten seconds restores the factory settings, including the wifi password "
+               "printed on the label underneath. Firmware updates arrive every month; the status light blinks "
+               "amber while one installs and must not be interrupted. ") * 16
 
 
 def docker_unavailable() -> str | None:

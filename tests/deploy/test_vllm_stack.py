@@ -23,16 +23,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.deploy.stack import LONG_MANUAL as MANUAL
 from tests.deploy.stack import ROOT, Stack, docker_unavailable, eventually
 
 FILES = ("docker-compose.yml", "deploy/compose.vllm.yml", "deploy/compose.test.yml")
 SERVERS = ("vllm-1", "vllm-2")
 MODEL = "smollm2-135m-instruct"
-# About 1,000 tokens of system prompt, as in the fleet benchmark's sessions.
-MANUAL = ("You are the support assistant of a home network company. Routers have a reset button on the "
-          "back; holding it for ten seconds restores the factory settings, including the wifi password "
-          "printed on the label underneath. Firmware updates arrive every month; the status light blinks "
-          "amber while one installs and must not be interrupted. ") * 16
 
 
 @pytest.fixture(scope="module")
